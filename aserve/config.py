@@ -1,0 +1,97 @@
+"""Engine configuration: frozen, split by component, validated once.
+
+``EngineConfig`` is built once (from the CLI or from ``LLM(...)`` keyword arguments)
+and handed to every component, which reads only its own part. Values that depend on the
+model or on measured memory (``max_model_len`` after fitting, the number of KV blocks)
+are filled in by :meth:`EngineConfig.fitted` once they are known, which returns a new
+object rather than mutating this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from aserve.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# vLLM's CPU backend reserves 4 GiB for the KV cache by default
+# (VLLM_CPU_KVCACHE_SPACE); the pool is allocated untouched, so pages that no request
+# ever used cost no resident memory.
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # path of a Hugging Face-format directory
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's limit, fitted to the KV cache
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", param="dtype")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}", param="max_model_len")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY  # bytes, over all layers and ranks
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # set by fitting: usable blocks in the pool
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}", param="block_size")
+        if self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}", param="kv_cache_memory")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192  # token budget of one step
+    max_num_seqs: int = 256  # requests in one step
+    enable_chunked_prefill: bool = True
+    # A prompt longer than this is prefilled in chunks of at most this many tokens
+    # per step even when the budget has room, so running requests keep streaming.
+    long_prefill_token_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1", param="max_num_batched_tokens")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1", param="max_num_seqs")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size must be >= 1", param="tensor_parallel_size")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+    def fitted(self, *, max_model_len: int, num_blocks: int) -> EngineConfig:
+        """This config with the values that start-up measured filled in."""
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, max_model_len=max_model_len),
+            cache=dataclasses.replace(self.cache, num_blocks=num_blocks),
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        if self.model.max_model_len is None:
+            raise RuntimeError("max_model_len is known only after EngineConfig.fitted()")
+        return self.model.max_model_len

@@ -1,0 +1,127 @@
+"""The engine core's logic: a scheduler, a KV cache manager and an executor, stepped.
+
+No sockets, no event loop: ``add_request``, ``abort_requests`` and ``step`` are plain
+calls, so the offline ``LLM`` drives this object directly and the engine-core process
+wraps it with its wires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from aserve.config import EngineConfig
+from aserve.engine.kv_cache_manager import KVCacheManager
+from aserve.engine.request import Request
+from aserve.engine.scheduler import Scheduler
+from aserve.errors import ConfigError, PromptTooLongError
+from aserve.model.hf_config import ArchConfig, load_arch_config
+from aserve.model.loader import resolve_dtype
+from aserve.model.registry import resolve_model_class
+from aserve.wire.messages import EngineCoreOutput, EngineCoreRequest
+from aserve.worker.kv_spec import bytes_per_block
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedConfig:
+    config: EngineConfig  # with max_model_len and num_blocks filled in
+    arch: ArchConfig
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        assert self.config.cache.num_blocks is not None
+        return (self.config.cache.num_blocks - 1) * self.config.cache.block_size
+
+
+def fit_config(config: EngineConfig) -> FittedConfig:
+    """Size the KV pool from its memory budget and fit ``max_model_len`` to it.
+
+    Raises ``ConfigError`` when the budget cannot hold even one sequence of the
+    requested ``max_model_len``, and the model-loading errors for a bad directory.
+    """
+    model_dir = Path(config.model.model)
+    if not model_dir.is_dir():
+        from aserve.errors import ModelFileNotFoundError
+
+        raise ModelFileNotFoundError(f"model directory {model_dir} does not exist")
+    arch = load_arch_config(model_dir)
+    resolve_model_class(arch.architecture)  # fail early, naming the supported ones
+    dtype = resolve_dtype(config.model.dtype, arch)
+    block_size = config.cache.block_size
+    per_block = bytes_per_block(arch, tp_size=config.parallel.tensor_parallel_size, dtype=dtype, block_size=block_size)
+    num_blocks = config.cache.kv_cache_memory // per_block
+    if num_blocks < 2:
+        raise ConfigError(
+            f"kv_cache_memory={config.cache.kv_cache_memory} bytes is too small: one block of {block_size} tokens "
+            f"takes {per_block} bytes and at least 2 are needed",
+            param="kv_cache_memory",
+        )
+    capacity = (num_blocks - 1) * block_size
+    limit = arch.max_position_embeddings
+    window = arch.raw.get("sliding_window")
+    if isinstance(window, int) and window > 0 and arch.raw.get("use_sliding_window", True):
+        limit = min(limit, window)  # aserve attends to the whole sequence: stay inside the window
+    requested = config.model.max_model_len
+    if requested is None:
+        max_model_len = min(limit, capacity)
+    else:
+        if requested > limit:
+            raise ConfigError(
+                f"max_model_len={requested} exceeds the model's limit of {limit} positions", param="max_model_len"
+            )
+        if requested > capacity:
+            raise ConfigError(
+                f"max_model_len={requested} needs {-(-requested // block_size) * per_block + per_block} bytes of KV cache "
+                f"but kv_cache_memory={config.cache.kv_cache_memory} holds only {capacity} tokens; raise "
+                "kv_cache_memory or lower max_model_len",
+                param="max_model_len",
+            )
+        max_model_len = requested
+    return FittedConfig(config.fitted(max_model_len=max_model_len, num_blocks=num_blocks), arch)
+
+
+class EngineCore:
+    def __init__(self, fitted: FittedConfig, executor_factory: Callable[[EngineConfig], object]) -> None:
+        config = fitted.config
+        self.config = config
+        self.arch = fitted.arch
+        self.kv_capacity_tokens = fitted.kv_capacity_tokens
+        self.executor = executor_factory(config)
+        assert config.cache.num_blocks is not None
+        self.kv = KVCacheManager(
+            config.cache.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if len(request.prompt_token_ids) >= self.config.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is {self.config.max_model_len}",
+                param="prompt",
+            )
+        self.scheduler.add_request(Request(request, max_model_len=self.config.max_model_len))
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, and return every request's progress."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.freed_req_ids:
+            return []
+        runner_output = self.executor.execute_model(sched)  # type: ignore[attr-defined]
+        return self.scheduler.update_from_output(sched, runner_output)
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.reset_prefix_cache()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()  # type: ignore[attr-defined]

@@ -1,0 +1,84 @@
+"""The engine's view of one request: its tokens, its progress and its status.
+
+::
+
+    WAITING ──schedule──► RUNNING ──eos/stop/length/abort──► FINISHED
+       ▲                     │
+       └──────preempt────────┘   (KV blocks freed; recomputed from token 0 later)
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from array import array
+
+from aserve.sampling_params import SamplingParams
+from aserve.wire.messages import EngineCoreRequest, FinishReason
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again, after losing its blocks
+    FINISHED = 3
+
+
+class Request:
+    __slots__ = (
+        "request_id", "sampling_params", "eos_token_ids", "stop_token_ids", "arrival_time", "priority",
+        "cache_salt", "client_index", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "status", "block_hashes", "num_cached_tokens", "max_tokens", "finish_reason", "stop_reason",
+        "num_preemptions", "num_prompt_logprobs_sent", "_salt_bytes",
+    )
+
+    def __init__(self, req: EngineCoreRequest, *, max_model_len: int) -> None:
+        sp = req.sampling_params
+        self.request_id = req.request_id
+        self.sampling_params: SamplingParams = sp
+        self.eos_token_ids = frozenset(req.eos_token_ids)
+        self.stop_token_ids = frozenset(sp.stop_token_ids or ())
+        self.arrival_time = req.arrival_time
+        self.priority = req.priority
+        self.cache_salt = req.cache_salt
+        self.client_index = req.client_index
+        self.all_token_ids: list[int] = list(req.prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1  # set when first scheduled
+        room = max_model_len - self.num_prompt_tokens
+        self.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_prompt_logprobs_sent = 0
+        self._salt_bytes = (req.cache_salt or "").encode()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Hash every newly completed block of tokens (for prefix caching).
+
+        A block's hash covers its parent's hash, its token ids and the cache salt, so
+        equal hashes mean equal prefixes; blake2b keeps collisions out of reach.
+        """
+        hashes = self.block_hashes
+        tokens = self.all_token_ids
+        while (len(hashes) + 1) * block_size <= len(tokens):
+            start = len(hashes) * block_size
+            h = hashlib.blake2b(digest_size=16)
+            h.update(hashes[-1] if hashes else self._salt_bytes)
+            h.update(array("q", tokens[start : start + block_size]).tobytes())
+            hashes.append(h.digest())

@@ -1,0 +1,266 @@
+"""Iteration-level (continuous) batching over a paged KV cache. Logic only: no I/O.
+
+Each :meth:`Scheduler.schedule` call fills one step under a token budget
+(``max_num_batched_tokens``) and a request cap (``max_num_seqs``):
+
+1. running requests first, in order, each getting the tokens it still lacks (one for
+   a decoding request, a chunk for a prompt still being prefilled); when the pool is
+   short, the lowest-priority, latest running request is preempted (its blocks freed;
+   it is recomputed later), repeatedly, until the allocation fits;
+2. then waiting requests by (priority, arrival), each starting from its longest cached
+   prefix, while the budget, the cap and the pool allow. Prompts that do not fit the
+   remaining budget are prefilled in chunks.
+
+:meth:`Scheduler.update_from_output` appends the sampled tokens and finishes requests
+on EOS, a stop token or their length limit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from aserve.config import SchedulerConfig
+from aserve.engine.kv_cache_manager import KVCacheManager
+from aserve.engine.request import Request, RequestStatus
+from aserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from aserve.wire.messages import EngineCoreOutput, FinishReason, TokenLogprobs
+
+
+@dataclass
+class RunnerOutput:
+    """The model runner's answer to one ``SchedulerOutput``."""
+
+    req_ids: list[str]  # requests that sampled a token this step
+    sampled_token_ids: list[int]
+    logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, list[TokenLogprobs]]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # sorted by key
+        self.running: list[Request] = []
+        self._arrivals = itertools.count()
+        self._freed_since_last_step: list[str] = []
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        request.update_block_hashes(self.block_size)
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        key = (request.priority, request.arrival_time, next(self._arrivals))
+        bisect.insort(self.waiting, (key, request), key=lambda item: item[0])
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Finish the named requests (unknown or finished ids are ignored)."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting = [item for item in self.waiting if item[1] is not request]
+            self._finish(request, FinishReason.ABORT)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT))
+        return outputs
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        if request.request_id in self._known_to_runner:
+            self._known_to_runner.discard(request.request_id)
+            self._freed_since_last_step.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget(request)
+        self._enqueue(request)
+
+    def _victim(self, first_unscheduled: int) -> Request:
+        # Lowest priority (largest number), then latest arrival, among the running
+        # requests this step has not scheduled yet (the current one included).
+        return max(self.running[first_unscheduled:], key=lambda r: (r.priority, r.arrival_time))
+
+    # -- one step ---------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None:
+            n = min(n, threshold)
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_new_tokens(request, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_block_ids = self.kv.allocate(request, n)
+                if new_block_ids is not None:
+                    break
+                victim = self._victim(i)
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                continue  # the request preempted itself; `i` now points at the next one
+            num_scheduled[request.request_id] = n
+            budget -= n
+            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            i += 1
+
+        # A step that had to preempt is short of blocks: admit nobody new.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            _, request = self.waiting[0]
+            cached_blocks = []
+            if request.num_computed_tokens == 0:
+                cached_blocks = self.kv.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * self.block_size
+            n = min(request.num_tokens - num_cached, budget)
+            if n < request.num_tokens - num_cached and not self.config.enable_chunked_prefill:
+                break
+            threshold = self.config.long_prefill_token_threshold
+            if threshold is not None:
+                n = min(n, threshold)
+            new_block_ids = self.kv.allocate(request, n, cached_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._known_to_runner.add(request.request_id)
+            num_scheduled[request.request_id] = n
+            budget -= n
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv.block_ids(request.request_id),
+                    num_computed_tokens=num_cached,
+                    stop_token_ids=sorted(self._stop_ids(request)),
+                )
+            )
+
+        freed, self._freed_since_last_step = self._freed_since_last_step, []
+        return SchedulerOutput(
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            freed_req_ids=freed,
+        )
+
+    @staticmethod
+    def _stop_ids(request: Request) -> frozenset[int]:
+        eos = frozenset() if request.sampling_params.ignore_eos else request.eos_token_ids
+        return eos | request.stop_token_ids
+
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
+        """Advance every scheduled request; append sampled tokens; finish the done ones."""
+        prompt_lps = {}
+        for request_id, lps in out.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                # A request recomputed after preemption must not report positions twice:
+                # this chunk covers prompt positions computed + 1 onwards.
+                skip = max(0, request.num_prompt_logprobs_sent - request.num_computed_tokens)
+                if lps[skip:]:
+                    prompt_lps[request_id] = lps[skip:]
+                    request.num_prompt_logprobs_sent += len(lps) - skip
+        for request_id, n in sched.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens += n
+        outputs: list[EngineCoreOutput] = []
+        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        for request_id, lps in prompt_lps.items():
+            if request_id not in sampled:
+                outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=lps))
+        for request_id, token in sampled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.all_token_ids.append(token)
+            request.update_block_hashes(self.block_size)
+            finish, stop_reason = self._check_stop(request, token)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id,
+                    [token],
+                    new_logprobs=[out.logprobs[request_id]] if request_id in out.logprobs else None,
+                    new_prompt_logprobs=prompt_lps.get(request_id),
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if finish is not None:
+                self.running.remove(request)
+                self._finish(request, finish, stop_reason)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        sp = request.sampling_params
+        if request.num_output_tokens > sp.min_tokens:  # stop ids were masked until then
+            if token in request.stop_token_ids:
+                return FinishReason.STOP, token
+            if not sp.ignore_eos and token in request.eos_token_ids:
+                return FinishReason.STOP, None
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()

@@ -1,0 +1,33 @@
+"""The few environment variables aserve reads, typed, in one place.
+
+=====================  ===================================================  =======================
+variable               meaning                                              default
+=====================  ===================================================  =======================
+``ASERVE_CACHE_DIR``   where the embedded default model is built            ``~/.cache/aserve``
+``ASERVE_LOG_LEVEL``   log level of aserve's loggers                        ``INFO``
+=====================  ===================================================  =======================
+
+Read them through :func:`read_env`, once, at the edge (the CLI or a constructor), and
+pass the values on explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Env:
+    cache_dir: Path
+    log_level: str
+
+
+def read_env(environ: dict[str, str] | None = None) -> Env:
+    environ = dict(os.environ) if environ is None else environ
+    default_cache = Path(environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aserve"
+    return Env(
+        cache_dir=Path(environ.get("ASERVE_CACHE_DIR", default_cache)).expanduser(),
+        log_level=environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
+    )

@@ -1,0 +1,72 @@
+"""The exceptions aserve raises, as one tree.
+
+::
+
+    AserveError
+    ├── InvalidInputError (also ValueError): the caller's input is wrong; fix it and retry
+    │   ├── EmptyPromptError
+    │   ├── PromptTooLongError
+    │   ├── InvalidSamplingParamsError
+    │   └── ConfigError: an engine setting is invalid or does not fit the model
+    ├── ModelLoadError: a model directory cannot be loaded
+    │   ├── UnsupportedArchitectureError
+    │   ├── ModelFileNotFoundError (also FileNotFoundError)
+    │   └── CorruptModelFileError
+    └── EngineDeadError: an engine process died; nothing more will be served
+
+An ``InvalidInputError`` never leaves the engine in a bad state: the object that raised
+it stays usable. Each message says what to change.
+"""
+
+from __future__ import annotations
+
+
+class AserveError(Exception):
+    """Base class of every exception aserve raises on purpose."""
+
+
+class InvalidInputError(AserveError, ValueError):
+    """The request is malformed; nothing was sent to the engine."""
+
+    #: Name of the offending field, where one can be named (OpenAI's ``param``).
+    param: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EmptyPromptError(InvalidInputError):
+    """The prompt has no tokens."""
+
+
+class PromptTooLongError(InvalidInputError):
+    """The prompt (plus the tokens it asks for) does not fit ``max_model_len``."""
+
+
+class InvalidSamplingParamsError(InvalidInputError):
+    """A sampling parameter is out of its range."""
+
+
+class ConfigError(InvalidInputError):
+    """A configuration value is invalid or inconsistent with the model."""
+
+
+class ModelLoadError(AserveError):
+    """A model directory is missing something or holds something unreadable."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """``config.json`` names an architecture aserve does not implement."""
+
+
+class ModelFileNotFoundError(ModelLoadError, FileNotFoundError):
+    """A file the model needs is not in its directory."""
+
+
+class CorruptModelFileError(ModelLoadError):
+    """A model file exists but cannot be parsed, or its tensors do not fit the config."""
+
+
+class EngineDeadError(AserveError):
+    """An engine process died or stopped answering; every request in flight fails."""

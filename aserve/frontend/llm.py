@@ -1,0 +1,165 @@
+"""``LLM``: offline batch generation, named and shaped as vLLM's.
+
+    from aserve import LLM, SamplingParams
+    llm = LLM(model="path/to/hf-model")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+
+``generate`` validates every prompt and parameter before queuing any, so a bad input
+raises a typed ``InvalidInputError`` and the object stays usable; an exception while
+stepping aborts that call's requests before it propagates.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from aserve.engine.engine_core import EngineCore, fit_config
+from aserve.envs import read_env
+from aserve.errors import InvalidInputError
+from aserve.executor.in_process import InProcessExecutor
+from aserve.frontend.input_processor import InputProcessor, PromptType
+from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
+from aserve.model_builder import ensure_default_model
+from aserve.outputs import RequestOutput
+from aserve.sampling_params import RequestOutputKind, SamplingParams
+from aserve.tokenizer import Tokenizer
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The model directory; the embedded default model (built on first use) when None."""
+    if model is None:
+        return str(ensure_default_model(read_env().cache_dir))
+    return model
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int | None = None,
+        tensor_parallel_size: int = 1,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        )
+        if tensor_parallel_size != 1:
+            raise InvalidInputError("tensor_parallel_size > 1 needs the multi-process executor, not available yet",
+                                    param="tensor_parallel_size")
+        fitted = fit_config(config)
+        self.tokenizer = Tokenizer(Path(config.model.model))
+        self.engine = EngineCore(fitted, InProcessExecutor)
+        self.config = self.engine.config
+        arch = fitted.arch
+        eos = arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.input_processor = InputProcessor(
+            self.tokenizer, max_model_len=self.config.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; returns one finished ``RequestOutput`` per prompt, in order."""
+        prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidInputError(
+                    f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; give one, or one per prompt"
+                )
+        for params in params_list:
+            self.input_processor.check_params(params)
+        tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
+        return self._run(tokenized, params_list)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
+            # The template already holds any BOS the model wants.
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt as token ids
+        if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+            if not prompts:
+                raise InvalidInputError("no prompts given", param="prompt")
+            return list(prompts)
+        raise InvalidInputError(f"prompts must be a string, token ids or a list of those, not {type(prompts).__name__}")
+
+    def _run(self, tokenized: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]) -> list[RequestOutput]:
+        processor = OutputProcessor()
+        order: list[str] = []
+        engine_ids: list[str] = []
+        for (text, ids), params in zip(tokenized, params_list):
+            request_id = str(next(self._ids))
+            params = params if params.output_kind == RequestOutputKind.FINAL_ONLY else _final_only(params)
+            processor.add(RequestState(request_id, text, ids, params, self.tokenizer))
+            order.append(request_id)
+            for i in range(params.n):
+                child_id = child_request_id(request_id, i, params.n)
+                self.engine.add_request(self.input_processor.make_request(child_id, ids, child_params(params, i)))
+                engine_ids.append(child_id)
+        results: dict[str, RequestOutput] = {}
+        try:
+            while processor.requests:
+                outputs, to_abort = processor.process(self.engine.step())
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for output in outputs:
+                    results[output.request_id] = output
+        finally:
+            if processor.requests:  # interrupted: leave the engine clean for the next call
+                self.engine.abort_requests(engine_ids)
+        return [results[request_id] for request_id in order]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

@@ -1,0 +1,109 @@
+"""Tensor-parallel linear layers (Megatron style), each loading its own shard.
+
+Column-parallel layers split the output features over ranks and need no communication;
+row-parallel layers split the input features and all-reduce their partial sums. A
+column-parallel layer feeding a row-parallel one (QKV -> o_proj, gate_up -> down) costs
+one all-reduce per pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.distributed.tp_group import TPGroup
+from aserve.model.layers.weights import TensorSource, check_shape, new_param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's rows (output features) split over ranks.
+
+    ``output_sizes`` lists the logical outputs stacked in this layer (for example
+    ``[intermediate, intermediate]`` for gate and up); each is split over ranks
+    separately, and its shard id is its index in the list.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], *, bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.local_sizes = [size // tp.size for size in output_sizes]
+        for size in output_sizes:
+            tp.shard(size, "output features")
+        total = sum(self.local_sizes)
+        self.weight = new_param(total, in_features, dtype=dtype, loader=self._load)
+        self.bias = new_param(total, dtype=dtype, loader=self._load) if bias else None
+
+    def _part_range(self, shard_id: Any) -> tuple[int, int, int]:
+        """(offset in this rank's param, rows, offset in the full tensor) of a part."""
+        index = 0 if shard_id is None else int(shard_id)
+        offset = sum(self.local_sizes[:index])
+        rows = self.local_sizes[index]
+        return offset, rows, self.tp.rank * rows
+
+    def _load(self, param: torch.Tensor, source: TensorSource, shard_id: Any = None) -> None:
+        offset, rows, start = self._part_range(shard_id)
+        loaded = source.read(slice(start, start + rows))
+        target = param.data.narrow(0, offset, rows)
+        check_shape(target, loaded, source.name)
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matrix, split by heads.
+
+    With more ranks than KV heads, each KV head is replicated on ``tp / num_kv_heads``
+    ranks: rank r holds KV head ``r // (tp / num_kv_heads)``.
+    """
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, *, bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+        tp.shard(num_heads, "attention heads")
+        if num_kv_heads >= tp.size:
+            tp.shard(num_kv_heads, "key/value heads")
+            self.num_local_kv_heads = num_kv_heads // tp.size
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor parallel size {tp.size} must be a multiple of {num_kv_heads} KV heads")
+            self.num_local_kv_heads = 1
+        self.num_local_heads = num_heads // tp.size
+        self.head_dim = head_dim
+        self._kv_replicas = max(1, tp.size // num_kv_heads)
+        q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
+        super().__init__(hidden, [q * tp.size, kv * tp.size, kv * tp.size], bias=bias, tp=tp, dtype=dtype)
+
+    def _part_range(self, shard_id: Any) -> tuple[int, int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[shard_id]
+        offset = sum(self.local_sizes[:index])
+        rows = self.local_sizes[index]
+        rank = self.tp.rank if index == 0 else self.tp.rank // self._kv_replicas
+        return offset, rows, rank * rows
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_local W_local^T) + b`` with W's columns split over ranks.
+
+    The bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        start, end = tp.shard(in_features, "input features")
+        self._cols = (start, end)
+        self.weight = new_param(out_features, end - start, dtype=dtype, loader=self._load)
+        self.bias = new_param(out_features, dtype=dtype) if bias else None
+
+    def _load(self, param: torch.Tensor, source: TensorSource, shard_id: Any = None) -> None:
+        loaded = source.read(slice(None), slice(*self._cols))
+        check_shape(param, loaded, source.name)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

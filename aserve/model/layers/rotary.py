@@ -1,0 +1,63 @@
+"""Rotary position embedding (the "rotate half" / NeoX layout Llama checkpoints use),
+with the scaling variants ``linear``, ``dynamic`` (NTK) and ``llama3``.
+
+cos/sin are precomputed in float32 for every position up to ``max_positions`` and
+indexed by each token's position, so a batch mixing prefill and decode tokens of many
+requests rotates in one call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from aserve.model.hf_config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int, max_positions: int) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies after scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    base = rope.theta
+    if rope.kind == "dynamic" and max_positions > max_position_embeddings:
+        # NTK-aware scaling fixed at the longest sequence this engine serves. Hugging
+        # Face recomputes it per sequence length, which equals this for the longest
+        # sequences and equals plain RoPE up to max_position_embeddings.
+        ratio = rope.factor * max_positions / max_position_embeddings - (rope.factor - 1)
+        base = base * ratio ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base**exponents)
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        old_len = rope.original_max_position_embeddings or max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, max_positions: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(rope, head_dim, max_position_embeddings, max_positions)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # [max_positions, head_dim / 2] each, in the model dtype as HF applies them.
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,119 @@
+"""Builds a model from a Hugging Face directory and fills it from safetensors.
+
+Tensors are read one at a time, and each parameter reads only its own shard through a
+slice of the file (``safe_open(...).get_slice``), so neither a whole file nor a whole
+tensor that a rank does not own is ever held in memory twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from aserve.distributed.tp_group import TPGroup
+from aserve.errors import ConfigError, CorruptModelFileError, ModelFileNotFoundError
+from aserve.model.hf_config import ArchConfig
+from aserve.model.registry import resolve_model_class
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, arch: ArchConfig) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (float32 when it names none)."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    name = str(arch.torch_dtype or "float32").removeprefix("torch.")
+    if name not in _DTYPES:
+        raise CorruptModelFileError(f"config.json names dtype {arch.torch_dtype!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class _SafetensorsSource:
+    def __init__(self, handle, name: str) -> None:  # noqa: ANN001 (safetensors' handle has no public type)
+        self._handle = handle
+        self.name = name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._handle.get_slice(self.name).get_shape())
+
+    def read(self, *slices: slice) -> torch.Tensor:
+        if not slices:
+            return self._handle.get_tensor(self.name)
+        return self._handle.get_slice(self.name)[slices]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: a single file, or the shards its index lists."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CorruptModelFileError(f"{index} is not a valid safetensors index: {exc!r}") from exc
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelFileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    for path in files:
+        if not path.is_file():
+            raise ModelFileNotFoundError(f"weight shard {path.name} listed in the index is missing from {model_dir}")
+    return files
+
+
+def _iter_sources(files: list[Path], stack: ExitStack) -> Iterator[_SafetensorsSource]:
+    for path in files:
+        try:
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+        except (SafetensorError, OSError) as exc:
+            raise CorruptModelFileError(f"{path} is not a readable safetensors file: {exc}") from exc
+        for name in handle.keys():
+            yield _SafetensorsSource(handle, name)
+
+
+def load_model(model_dir: Path, arch: ArchConfig, *, dtype: torch.dtype, max_positions: int, tp: TPGroup) -> nn.Module:
+    """Construct the architecture's model for this rank and load its weights.
+
+    Raises ``UnsupportedArchitectureError``, ``ModelFileNotFoundError`` or
+    ``CorruptModelFileError`` (a tensor missing, misshapen or unreadable).
+    """
+    model_class = resolve_model_class(arch.architecture)
+    try:
+        model = model_class(arch, max_positions=max_positions, tp=tp, dtype=dtype)
+    except ValueError as exc:  # shapes that do not divide over the TP size
+        raise ConfigError(str(exc)) from exc
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    with ExitStack() as stack:
+        for source in _iter_sources(safetensors_files(model_dir), stack):
+            name = source.name
+            if "rotary_emb" in name:
+                continue
+            if arch.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            shard_id = None
+            for fragment, merged, part in model_class.stacked_params:
+                if fragment in name:
+                    name, shard_id = name.replace(fragment, merged), part
+                    break
+            param = params.get(name)
+            if param is None:
+                raise CorruptModelFileError(f"{source.name} in the checkpoint has no place in {arch.architecture}")
+            try:
+                param.weight_loader(param, source, shard_id)
+            except SafetensorError as exc:
+                raise CorruptModelFileError(f"cannot read tensor {source.name}: {exc}") from exc
+            loaded.add(name)
+    missing = sorted(set(params) - loaded - ({"lm_head.weight"} if arch.tie_word_embeddings else set()))
+    if missing:
+        raise CorruptModelFileError(f"the checkpoint in {model_dir} lacks tensors: {', '.join(missing[:5])}")
+    return model.eval()

@@ -1,0 +1,144 @@
+"""Llama (and Mistral, which has the same layout) built from tensor-parallel layers.
+
+One decoder layer::
+
+    x ─► input_layernorm ─► qkv_proj ─► [q_norm, k_norm] ─► rotary ─► attention ─► o_proj ─┐
+    │                                                                                       │
+    └────────────────────────────────── + ◄─────────────────────────────────────────────────┘
+    x ─► post_attention_layernorm ─► gate_up_proj ─► silu(gate) * up ─► down_proj ─► + x
+
+Subclasses change only what differs: Qwen2 has biases on q/k/v, Qwen3 RMS-normalises
+q and k per head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.distributed.tp_group import TPGroup
+from aserve.kernels.attention import AttentionMetadata
+from aserve.model.hf_config import ArchConfig
+from aserve.model.layers.attention import Attention
+from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aserve.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.model.layers.norm import RMSNorm
+from aserve.model.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias_override: bool | None = None  # Qwen2: always True
+    o_bias_override: bool | None = None  # Qwen2: always False
+    use_qk_norm = False
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, *, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        qkv_bias = cfg.attention_bias if self.qkv_bias_override is None else self.qkv_bias_override
+        o_bias = cfg.attention_bias if self.o_bias_override is None else self.o_bias_override
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, bias=qkv_bias, tp=tp, dtype=dtype
+        )
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias, tp=tp, dtype=dtype)
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.contiguous(), kv_cache, meta)  # [T, Hq, D]
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, *, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=False, tp=tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, *, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = self.attention_class(cfg, rotary, tp=tp, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = LlamaMLP(cfg, tp=tp, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_class: type[LlamaDecoderLayer], max_positions: int, *, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_positions, dtype=dtype)
+        self.layers = nn.ModuleList(layer_class(cfg, rotary, tp=tp, dtype=dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Hidden states for a flattened batch of tokens, and logits for the chosen rows."""
+
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    # Checkpoint name fragment -> (our merged parameter fragment, part id).
+    stacked_params = (
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(self, cfg: ArchConfig, *, max_positions: int, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, self.layer_class, max_positions, tp=tp, dtype=dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

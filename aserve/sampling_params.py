@@ -1,0 +1,122 @@
+"""``SamplingParams``: how to pick each next token, and when to stop.
+
+The same struct is used by the library API, the HTTP layer and (later) the wire to the
+engine core, so it is a ``msgspec.Struct`` with the wire options: encoded as an array,
+defaults omitted, not tracked by the garbage collector. Field names and meanings follow
+vLLM's ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from aserve.errors import InvalidSamplingParamsError
+
+# Temperatures below this are greedy decoding (as in vLLM): dividing by them would
+# overflow, and users write 0 to mean "greedy".
+GREEDY_EPSILON = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed ``RequestOutput`` holds."""
+
+    CUMULATIVE = 0  # all text and tokens so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Sampling and stopping parameters of one request.
+
+    Raises :class:`aserve.errors.InvalidSamplingParamsError` on construction when a
+    value is out of range; the message names the field and the allowed range.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-n logprobs per generated token
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.is_greedy:
+            # Filters make no difference to an argmax; dropping them keeps greedy rows
+            # on the cheap path of the sampler.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def _verify(self) -> None:
+        def fail(param: str, message: str) -> None:
+            raise InvalidSamplingParamsError(f"{param} {message}", param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", f"must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                fail(name, f"must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0.0:
+            fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not self.temperature >= 0.0:
+            fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                fail(name, f"must be an integer >= 0, got {value!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.stop is not None:
+            if not all(isinstance(s, str) for s in self.stop):
+                fail("stop", "must be a string or a list of strings")
+            if any(s == "" for s in self.stop):
+                fail("stop", "must not contain an empty string")
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        ):
+            fail("stop_token_ids", "must be a list of non-negative integers")

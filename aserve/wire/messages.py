@@ -1,0 +1,71 @@
+"""Messages between the front end (``LLM``, API servers) and the engine core.
+
+All are ``msgspec.Struct``s declared ``array_like=True, omit_defaults=True, gc=False``:
+encoded as msgpack arrays (field order is the protocol), trailing defaults omitted, and
+never tracked by the garbage collector. Text never crosses this boundary: the engine
+core sees token ids only, and the front end detokenises.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from aserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped; an integer on the wire, a word in the API."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # cancelled by the client or the server
+    ERROR = 3  # the engine failed while serving it
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+    priority: int = 0
+    client_index: int = 0  # which API server sent it
+    data_parallel_rank: int | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs at one position: the chosen (or actual) token first, then the top-n.
+
+    ``ranks[i]`` is the 1-based rank of ``token_ids[i]`` in the distribution.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Progress of one request in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    # Prompt positions 1.. (position 0 has no logprob), in order, possibly in chunks.
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything one engine step produced for one client."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0

@@ -1,0 +1,146 @@
+"""Runs one step of the model on this rank: inputs from the scheduler's deltas,
+attention metadata, the forward pass, logits, and sampling.
+
+The runner keeps every scheduled request's tokens and block table between steps, so a
+``SchedulerOutput`` carries only what changed. It appends the tokens it samples itself;
+every tensor-parallel rank samples the same tokens, so the ranks stay in agreement
+without being told the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aserve.engine.scheduler import RunnerOutput
+from aserve.engine.scheduler_output import SchedulerOutput
+from aserve.kernels.attention import AttentionMetadata, PrefillChunk
+from aserve.sampling_params import SamplingParams
+from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
+from aserve.wire.messages import TokenLogprobs
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.sampler = Sampler(seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        # One allocation for all layers: [layers, 2, slots, kv_heads, head_dim]. It is
+        # left uninitialised (pages are committed only when written), except block 0,
+        # which padded gathers read and must hold zeros.
+        slots = num_blocks * self.block_size
+        cache = torch.empty(num_layers, 2, slots, num_kv_heads, head_dim, dtype=dtype)
+        cache[:, :, : self.block_size].zero_()
+        self.kv_caches = list(cache.unbind(0))
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.freed_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_requests:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens, new.stop_token_ids,
+            )
+        for cached in sched.cached_requests:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return RunnerOutput([], [], {}, {})
+        bs = self.block_size
+        scheduled = [(self.requests[rid], n) for rid, n in sched.num_scheduled_tokens.items()]
+        # Decode rows (one token) first, then prefill chunks: attention handles each
+        # group its own way.
+        scheduled.sort(key=lambda item: item[1] != 1)
+        num_decode = sum(1 for _, n in scheduled if n == 1)
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        row_of_token: list[int] = []
+        starts: list[int] = []
+        for row, (state, n) in enumerate(scheduled):
+            start = state.num_computed_tokens
+            starts.append(len(input_ids))
+            input_ids.extend(state.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            row_of_token.extend([row] * n)
+        max_blocks = max(len(state.block_ids) for state, _ in scheduled)
+        block_table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s, _ in scheduled])
+        pos_t = torch.tensor(positions)
+        row_t = torch.tensor(row_of_token)
+        slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
+        all_slots = (block_table.unsqueeze(2) * bs + torch.arange(bs)).view(len(scheduled), -1)  # [R, max_blocks*bs]
+
+        decode_slots = decode_mask = None
+        if num_decode:
+            seq_lens = torch.tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
+            max_len = int(seq_lens.max())
+            valid = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)  # [Nd, L]
+            decode_slots = all_slots[:num_decode, :max_len].masked_fill(~valid, 0)
+            decode_mask = valid[:, None, None, :]
+        prefills = []
+        for row in range(num_decode, len(scheduled)):
+            state, n = scheduled[row]
+            ctx = state.num_computed_tokens
+            slots = all_slots[row, : ctx + n] if ctx else None
+            prefills.append(PrefillChunk(starts[row], starts[row] + n, ctx, slots))
+        meta = AttentionMetadata(slot_mapping, num_decode, decode_slots, decode_mask, tuple(prefills))
+
+        hidden = self.model(torch.tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]
+
+        # Rows that reach the end of their known tokens sample the next one.
+        sample_rows = [r for r, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == len(s.token_ids)]
+        prompt_logprobs = self._prompt_logprobs(scheduled, starts, hidden)
+        if not sample_rows:
+            return RunnerOutput([], [], {}, prompt_logprobs)
+        last_token = torch.tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows])
+        logits = self.model.compute_logits(hidden[last_token])  # [N, vocab]
+        rows = [scheduled[r][0] for r in sample_rows]
+        tokens, logprobs = self.sampler(
+            logits, [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_token_ids) for s in rows]
+        )
+        for state, token in zip(rows, tokens):
+            state.token_ids.append(token)
+        req_ids = [s.req_id for s in rows]
+        return RunnerOutput(
+            req_ids, tokens, {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None}, prompt_logprobs
+        )
+
+    def _prompt_logprobs(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int], hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of the prompt tokens this step computed, for requests that asked.
+
+        The hidden state at position p predicts the token at p + 1, so a chunk covering
+        positions [a, b) yields the logprobs of prompt tokens a + 1 .. b (within the prompt).
+        """
+        out: dict[str, list[TokenLogprobs]] = {}
+        for row, (state, n) in enumerate(scheduled):
+            top_n = state.params.prompt_logprobs
+            start = state.num_computed_tokens
+            end = min(start + n, state.num_prompt_tokens - 1)
+            if top_n is None or end <= start:
+                continue
+            lp = torch.log_softmax(self.model.compute_logits(hidden[starts[row] : starts[row] + end - start]).float(), dim=-1)
+            out[state.req_id] = [
+                top_logprobs(lp[i], state.token_ids[start + i + 1], top_n) for i in range(end - start)
+            ]
+        return out

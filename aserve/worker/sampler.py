@@ -1,0 +1,148 @@
+"""Turns a step's logits into tokens, one row per request that samples this step.
+
+Order of operations (as in vLLM): raw logprobs are taken first (what ``logprobs``
+reports), then stop tokens are masked until ``min_tokens``, then the penalties, then
+greedy rows take the argmax while the others are divided by their temperature,
+filtered by top-k, top-p and min-p, and sampled.
+
+Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which picks token i with
+probability ``p_i`` and needs no cumulative sums. A request with a ``seed`` draws its
+``q`` from a generator seeded by (seed, position), so its tokens do not depend on what
+else is in the batch, nor on a preemption that recomputes it. Requests without a seed
+share one generator seeded by the engine's seed; every tensor-parallel rank draws the
+same numbers in the same order, so all ranks pick the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aserve.sampling_params import SamplingParams
+from aserve.wire.messages import TokenLogprobs
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    stop_token_ids: list[int]
+
+
+_MASK = float("-inf")
+
+
+def _seeded_generator(seed: int, position: int) -> torch.Generator:
+    # Mix the position in with a large odd multiplier so (seed, pos) pairs don't collide.
+    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + position) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [N, V] for N rows. Returns the chosen token ids and, for rows that
+        asked, their logprobs (chosen token first, then the top-n)."""
+        logits = logits.float()
+        n_rows = len(rows)
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        if any(r.params.min_tokens or r.params.has_penalties for r in rows):
+            logits = logits.clone()
+            self._apply_min_tokens_and_penalties(logits, rows)
+
+        greedy = [r.params.is_greedy for r in rows]
+        tokens = torch.empty(n_rows, dtype=torch.long)
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            if any(greedy):
+                g_idx = torch.tensor([i for i, g in enumerate(greedy) if g])
+                tokens[g_idx] = logits[g_idx].argmax(dim=-1)
+            r_idx_list = [i for i, g in enumerate(greedy) if not g]
+            r_idx = torch.tensor(r_idx_list)
+            sub = logits[r_idx]
+            sub = sub / torch.tensor([rows[i].params.temperature for i in r_idx_list]).unsqueeze(1)
+            sub = self._filter(sub, [rows[i].params for i in r_idx_list])
+            probs = torch.softmax(sub, dim=-1)
+            q = torch.empty_like(probs)
+            unseeded = [j for j, i in enumerate(r_idx_list) if rows[i].params.seed is None]
+            if unseeded:
+                q[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            for j, i in enumerate(r_idx_list):
+                seed = rows[i].params.seed
+                if seed is not None:
+                    q[j].exponential_(generator=_seeded_generator(seed, len(rows[i].token_ids)))
+            tokens[r_idx] = (probs / q).argmax(dim=-1)
+
+        token_list = tokens.tolist()
+        logprob_out: list[TokenLogprobs | None] = [None] * n_rows
+        if raw_logprobs is not None:
+            for i, row in enumerate(rows):
+                if want_logprobs[i]:
+                    logprob_out[i] = top_logprobs(raw_logprobs[i], token_list[i], row.params.logprobs or 0)
+        return token_list, logprob_out
+
+    @staticmethod
+    def _apply_min_tokens_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        vocab = logits.shape[1]
+        for i, row in enumerate(rows):
+            p = row.params
+            outputs = row.token_ids[row.num_prompt_tokens :]
+            if len(outputs) < p.min_tokens and row.stop_token_ids:
+                logits[i, [t for t in row.stop_token_ids if t < vocab]] = _MASK
+            if not p.has_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                # Tokens seen in the prompt or the output: shrink positive logits,
+                # grow negative ones (the CTRL rule vLLM and HF use).
+                seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long)
+                seen = seen[seen < vocab]
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if outputs and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=vocab)[:vocab].float()
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Mask tokens outside top-k, top-p and min-p (after temperature)."""
+        vocab = logits.shape[1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(k < vocab for k in top_k) or any(tp < 1.0 for tp in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab).unsqueeze(0)
+            drop = ranks >= torch.tensor(top_k).unsqueeze(1)
+            if any(tp < 1.0 for tp in top_p):
+                probs = torch.softmax(sorted_logits.masked_fill(drop, _MASK), dim=-1)
+                # Keep the smallest prefix whose mass reaches top_p: drop a token when
+                # the mass before it already does. The top token always stays.
+                mass_before = probs.cumsum(dim=-1) - probs
+                drop |= mass_before >= torch.tensor(top_p).unsqueeze(1)
+            drop[:, 0] = False
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), _MASK)
+        if any(mp > 0.0 for mp in min_p):
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p).unsqueeze(1)
+            logits = logits.masked_fill(probs < threshold, _MASK)
+        return logits
+
+
+def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> TokenLogprobs:
+    """The chosen token's logprob and rank, then the ``n`` most likely tokens."""
+    chosen = logprobs[token]
+    rank = int((logprobs > chosen).sum()) + 1
+    ids, lps, ranks = [token], [float(chosen)], [rank]
+    if n > 0:
+        values, indices = logprobs.topk(min(n, logprobs.shape[0]))
+        ids += indices.tolist()
+        lps += values.tolist()
+        ranks += list(range(1, len(ids)))
+    return TokenLogprobs(ids, lps, ranks)

@@ -1,0 +1,44 @@
+"""One rank's share of the model: loads its shard, owns its KV cache, runs steps.
+
+Executors call these methods (in-process for TP = 1, over the shared-memory ring for
+worker processes). The set is fixed and explicit; nothing is looked up by name from
+a message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from aserve.config import EngineConfig
+from aserve.distributed.tp_group import TPGroup
+from aserve.engine.scheduler import RunnerOutput
+from aserve.engine.scheduler_output import SchedulerOutput
+from aserve.model.hf_config import load_arch_config
+from aserve.model.loader import load_model, resolve_dtype
+from aserve.worker.kv_spec import local_kv_heads
+from aserve.worker.model_runner import ModelRunner
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, tp: TPGroup) -> None:
+        """``config`` must be fitted (``max_model_len`` and ``num_blocks`` known)."""
+        self.config = config
+        self.tp = tp
+        model_dir = Path(config.model.model)
+        arch = load_arch_config(model_dir)
+        self.dtype = resolve_dtype(config.model.dtype, arch)
+        model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp)
+        self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed)
+        assert config.cache.num_blocks is not None
+        self.runner.init_kv_cache(
+            config.cache.num_blocks,
+            num_layers=arch.num_hidden_layers,
+            num_kv_heads=local_kv_heads(arch, tp.size),
+            head_dim=arch.head_dim,
+            dtype=self.dtype,
+        )
+
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute_model(sched)

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.models import VARIANTS, build_model
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_model(name, root / name) for name in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def sharded_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model("llama", tmp_path_factory.mktemp("sharded") / "llama", shard=True)

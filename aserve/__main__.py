@@ -1,0 +1,5 @@
+import sys
+
+from aserve.cli import main
+
+sys.exit(main())

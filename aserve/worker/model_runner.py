@@ -9,6 +9,8 @@ without being told the results.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +43,12 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
 
     def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        # One allocation for all layers: [layers, 2, slots, kv_heads, head_dim]. It is
-        # left uninitialised (pages are committed only when written), except block 0,
-        # which padded gathers read and must hold zeros.
-        slots = num_blocks * self.block_size
-        cache = torch.empty(num_layers, 2, slots, num_kv_heads, head_dim, dtype=dtype)
-        cache[:, :, : self.block_size].zero_()
+        # One allocation for all layers: [layers, 2, blocks, block_size, kv_heads, head_dim],
+        # from an anonymous mapping: it reads as zeros, and the kernel commits a page
+        # only when it is first written, so an idle pool costs no resident memory.
+        shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
+        self._kv_mapping = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
         self.kv_caches = list(cache.unbind(0))
 
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -89,22 +91,21 @@ class ModelRunner:
         pos_t = torch.tensor(positions)
         row_t = torch.tensor(row_of_token)
         slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
-        all_slots = (block_table.unsqueeze(2) * bs + torch.arange(bs)).view(len(scheduled), -1)  # [R, max_blocks*bs]
 
-        decode_slots = decode_mask = None
+        decode_table = decode_mask = None
         if num_decode:
             seq_lens = torch.tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
-            max_len = int(seq_lens.max())
-            valid = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)  # [Nd, L]
-            decode_slots = all_slots[:num_decode, :max_len].masked_fill(~valid, 0)
+            num_blocks = -(-int(seq_lens.max()) // bs)
+            decode_table = block_table[:num_decode, :num_blocks]
+            valid = torch.arange(num_blocks * bs).unsqueeze(0) < seq_lens.unsqueeze(1)  # [Nd, L]
             decode_mask = valid[:, None, None, :]
         prefills = []
         for row in range(num_decode, len(scheduled)):
             state, n = scheduled[row]
             ctx = state.num_computed_tokens
-            slots = all_slots[row, : ctx + n] if ctx else None
-            prefills.append(PrefillChunk(starts[row], starts[row] + n, ctx, slots))
-        meta = AttentionMetadata(slot_mapping, num_decode, decode_slots, decode_mask, tuple(prefills))
+            chunk_blocks = block_table[row, : -(-(ctx + n) // bs)] if ctx else None
+            prefills.append(PrefillChunk(starts[row], starts[row] + n, ctx, chunk_blocks))
+        meta = AttentionMetadata(slot_mapping, num_decode, decode_table, decode_mask, tuple(prefills))
 
         hidden = self.model(torch.tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]
 

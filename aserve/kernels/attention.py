@@ -40,6 +40,10 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None  # [num_decode, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] True where a key counts
     prefills: tuple[PrefillChunk, ...]
+    # Flat scratch buffers for gathered keys and values, large enough for any gather
+    # of this step. Reused by every layer: a fresh multi-megabyte tensor per gather
+    # would cost a page fault per 4 KiB, which on a CPU is slower than the copy itself.
+    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -47,10 +51,21 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[..., n_blocks] block ids -> [..., n_blocks * block_size, Hk, D] keys or values."""
-    rows = cache.index_select(0, block_ids.reshape(-1))
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., n_blocks] block ids -> [..., n_blocks * block_size, Hk, D] keys or values,
+    written into ``buffer`` (flat, large enough) when given."""
+    ids = block_ids.reshape(-1)
+    if buffer is None:
+        rows = cache.index_select(0, ids)
+    else:
+        rows = buffer[: ids.numel() * cache[0].numel()].view(ids.numel(), *cache.shape[1:])
+        torch.index_select(cache, 0, ids, out=rows)
     return rows.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+def gather_numel(num_blocks: int, kv_cache: torch.Tensor) -> int:
+    """Elements a gather of ``num_blocks`` blocks of one layer's keys (or values) takes."""
+    return num_blocks * kv_cache[0, 0].numel()
 
 
 def paged_attention(
@@ -64,12 +79,13 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
     write_kv(kv_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
+    kbuf, vbuf = meta.gather_buffers or (None, None)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
         assert meta.decode_block_table is not None
-        keys = gather_blocks(kv_cache[0], meta.decode_block_table).transpose(1, 2)  # [B, Hk, L, D]
-        values = gather_blocks(kv_cache[1], meta.decode_block_table).transpose(1, 2)
+        keys = gather_blocks(kv_cache[0], meta.decode_block_table, kbuf).transpose(1, 2)  # [B, Hk, L, D]
+        values = gather_blocks(kv_cache[1], meta.decode_block_table, vbuf).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         )  # [B, Hq, 1, D]
@@ -81,8 +97,8 @@ def paged_attention(
             vc = v[chunk.start : chunk.end].transpose(0, 1)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kc = gather_blocks(kv_cache[0], chunk.block_ids).transpose(0, 1)  # [Hk, blocks * block_size, D]
-            vc = gather_blocks(kv_cache[1], chunk.block_ids).transpose(0, 1)
+            kc = gather_blocks(kv_cache[0], chunk.block_ids, kbuf).transpose(0, 1)  # [Hk, blocks * block_size, D]
+            vc = gather_blocks(kv_cache[1], chunk.block_ids, vbuf).transpose(0, 1)
             n_q = chunk.end - chunk.start
             # Query i (at position context_len + i) sees keys 0 .. context_len + i.
             mask = torch.arange(kc.shape[1]) <= (chunk.context_len + torch.arange(n_q)).unsqueeze(1)

@@ -17,7 +17,7 @@ import torch
 
 from aserve.engine.scheduler import RunnerOutput
 from aserve.engine.scheduler_output import SchedulerOutput
-from aserve.kernels.attention import AttentionMetadata, PrefillChunk
+from aserve.kernels.attention import AttentionMetadata, PrefillChunk, gather_numel
 from aserve.sampling_params import SamplingParams
 from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
 from aserve.wire.messages import TokenLogprobs
@@ -48,8 +48,21 @@ class ModelRunner:
         # only when it is first written, so an idle pool costs no resident memory.
         shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
         self._kv_mapping = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        # Huge pages: decode gathers touch every block of every running request each
+        # layer, and with 4 KiB pages the TLB misses cost more than the copies.
+        self._kv_mapping.madvise(mmap.MADV_HUGEPAGE)
         cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
         self.kv_caches = list(cache.unbind(0))
+        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _gather_buffers_for(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for gathering ``num_blocks`` blocks of one layer; grows, never shrinks."""
+        numel = gather_numel(num_blocks, self.kv_caches[0])
+        if self._gather_buffers is None or self._gather_buffers[0].numel() < numel:
+            numel = max(numel, 2 * (0 if self._gather_buffers is None else self._gather_buffers[0].numel()))
+            dtype = self.kv_caches[0].dtype
+            self._gather_buffers = (torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype))
+        return self._gather_buffers
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.freed_req_ids:
@@ -105,7 +118,10 @@ class ModelRunner:
             ctx = state.num_computed_tokens
             chunk_blocks = block_table[row, : -(-(ctx + n) // bs)] if ctx else None
             prefills.append(PrefillChunk(starts[row], starts[row] + n, ctx, chunk_blocks))
-        meta = AttentionMetadata(slot_mapping, num_decode, decode_table, decode_mask, tuple(prefills))
+        gathered = max([0 if decode_table is None else decode_table.numel()]
+                       + [p.block_ids.numel() for p in prefills if p.block_ids is not None])
+        buffers = self._gather_buffers_for(gathered) if gathered else None
+        meta = AttentionMetadata(slot_mapping, num_decode, decode_table, decode_mask, tuple(prefills), buffers)
 
         hidden = self.model(torch.tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]
 

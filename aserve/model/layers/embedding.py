@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
-from aserve.model.layers.weights import TensorSource, check_shape, new_param
+from aserve.model.layers.weights import TensorSource, check_shape, expect_full_shape, new_param
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -30,6 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = new_param(self.rows_per_rank, hidden, dtype=dtype, loader=self._load)
 
     def _load(self, param: torch.Tensor, source: TensorSource, shard_id: Any = None) -> None:
+        expect_full_shape(source, (self.vocab_size, param.shape[1]))
         start = self.vocab_start
         end = min(start + self.rows_per_rank, self.vocab_size)
         param.data.zero_()

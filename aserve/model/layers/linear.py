@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
-from aserve.model.layers.weights import TensorSource, check_shape, new_param
+from aserve.model.layers.weights import TensorSource, check_shape, expect_full_shape, new_param
 
 
 class ColumnParallelLinear(nn.Module):
@@ -44,8 +44,13 @@ class ColumnParallelLinear(nn.Module):
         rows = self.local_sizes[index]
         return offset, rows, self.tp.rank * rows
 
+    def _full_part_shape(self, shard_id: Any, rows: int, ndim: int) -> tuple[int, ...]:
+        full_rows = rows * self.tp.size
+        return (full_rows, self.in_features) if ndim == 2 else (full_rows,)
+
     def _load(self, param: torch.Tensor, source: TensorSource, shard_id: Any = None) -> None:
         offset, rows, start = self._part_range(shard_id)
+        expect_full_shape(source, self._full_part_shape(shard_id, rows, param.dim()))
         loaded = source.read(slice(start, start + rows))
         target = param.data.narrow(0, offset, rows)
         check_shape(target, loaded, source.name)
@@ -74,8 +79,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_local_heads = num_heads // tp.size
         self.head_dim = head_dim
         self._kv_replicas = max(1, tp.size // num_kv_heads)
+        self._num_kv_heads = num_kv_heads
         q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
         super().__init__(hidden, [q * tp.size, kv * tp.size, kv * tp.size], bias=bias, tp=tp, dtype=dtype)
+
+    def _full_part_shape(self, shard_id: Any, rows: int, ndim: int) -> tuple[int, ...]:
+        full_rows = rows * self.tp.size if shard_id == "q" else self._num_kv_heads * self.head_dim
+        return (full_rows, self.in_features) if ndim == 2 else (full_rows,)
 
     def _part_range(self, shard_id: Any) -> tuple[int, int, int]:
         index = {"q": 0, "k": 1, "v": 2}[shard_id]
@@ -96,10 +106,12 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         start, end = tp.shard(in_features, "input features")
         self._cols = (start, end)
+        self._full_shape = (out_features, in_features)
         self.weight = new_param(out_features, end - start, dtype=dtype, loader=self._load)
         self.bias = new_param(out_features, dtype=dtype) if bias else None
 
     def _load(self, param: torch.Tensor, source: TensorSource, shard_id: Any = None) -> None:
+        expect_full_shape(source, self._full_shape)
         loaded = source.read(slice(None), slice(*self._cols))
         check_shape(param, loaded, source.name)
         param.data.copy_(loaded)

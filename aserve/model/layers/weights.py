@@ -61,6 +61,14 @@ def check_shape(param_part: torch.Tensor, loaded: torch.Tensor, name: str) -> No
         )
 
 
+def expect_full_shape(source: TensorSource, shape: tuple[int, ...]) -> None:
+    """Check a checkpoint tensor's full shape before reading a shard of it."""
+    if tuple(source.shape) != tuple(shape):
+        raise CorruptModelFileError(
+            f"tensor {source.name} has shape {tuple(source.shape)} but the config implies {tuple(shape)}"
+        )
+
+
 def default_weight_loader(param: torch.Tensor, source: TensorSource, shard_id: Any = None) -> None:
     """Copy the whole tensor (replicated parameters: norms, biases of row-parallel layers)."""
     loaded = source.read()

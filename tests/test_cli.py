@@ -1,0 +1,49 @@
+"""``aserve generate`` and the embedded default model, as a new user meets them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import aserve
+from aserve.model_builder import ensure_default_model
+
+
+def run_cli(*args, cache_dir):
+    env = {**os.environ, "ASERVE_CACHE_DIR": str(cache_dir)}
+    return subprocess.run([sys.executable, "-m", "aserve", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_generate_with_the_default_model(tmp_path):
+    proc = run_cli("generate", "Hello, my name is", "--max-tokens", "8", cache_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "random weights" in proc.stderr
+    assert proc.stdout.strip() != ""
+    again = run_cli("generate", "Hello, my name is", "--max-tokens", "8", cache_dir=tmp_path)
+    assert again.stdout == proc.stdout  # greedy by default: the same text
+
+
+def test_generate_reports_bad_input(tmp_path):
+    proc = run_cli("generate", "x", "--model", str(tmp_path / "missing"), cache_dir=tmp_path)
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr
+
+
+def test_default_model_is_built_deterministically(tmp_path):
+    def digest(path):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+    first = ensure_default_model(tmp_path / "a")
+    second = ensure_default_model(tmp_path / "b")
+    assert digest(first) == digest(second)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= set(digest(first))
+
+
+def test_public_api_is_explicit():
+    assert aserve.__all__ == sorted(aserve.__all__)
+    for name in aserve.__all__:
+        assert getattr(aserve, name) is not None
+    assert {"LLM", "SamplingParams", "RequestOutput"} <= set(aserve.__all__)

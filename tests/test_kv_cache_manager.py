@@ -1,0 +1,90 @@
+"""The block pool, block tables and prefix caching, without any tensor."""
+
+from __future__ import annotations
+
+from aserve.engine.kv_cache_manager import KVCacheManager
+from aserve.engine.request import Request
+from aserve.sampling_params import SamplingParams
+from aserve.wire.messages import EngineCoreRequest
+
+
+def make_request(rid: str, tokens: list[int], *, salt: str | None = None, block_size: int = 4) -> Request:
+    req = Request(EngineCoreRequest(rid, tokens, SamplingParams(), cache_salt=salt), max_model_len=1000)
+    req.update_block_hashes(block_size)
+    return req
+
+
+def test_allocate_and_free_return_every_block():
+    kv = KVCacheManager(num_blocks=9, block_size=4, enable_prefix_caching=False)
+    req = make_request("a", list(range(10)))
+    assert kv.allocate(req, 10) == [1, 2, 3]
+    assert kv.pool.num_free_blocks == 5
+    req.num_computed_tokens = 10
+    assert kv.allocate(req, 2) == []  # fits in the third block
+    assert kv.allocate(req, 3) == [4]
+    kv.free(req)
+    assert kv.pool.num_free_blocks == 8
+    assert kv.usage == 0.0
+
+
+def test_allocation_that_does_not_fit_changes_nothing():
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    big = make_request("big", list(range(20)))
+    assert kv.allocate(big, 20) is None
+    assert kv.pool.num_free_blocks == 3
+    assert kv.block_ids("big") == []
+
+
+def test_block_hashes_chain_and_salt():
+    a = make_request("a", list(range(12)))
+    b = make_request("b", list(range(12)))
+    c = make_request("c", list(range(12)), salt="tenant-2")
+    d = make_request("d", [99, *range(1, 12)])
+    assert len(a.block_hashes) == 3
+    assert a.block_hashes == b.block_hashes
+    assert not set(a.block_hashes) & set(c.block_hashes)  # the salt isolates the cache
+    assert not set(a.block_hashes) & set(d.block_hashes)  # a changed first block changes every later hash
+
+
+def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = make_request("a", list(range(12)))
+    kv.allocate(a, 12)
+    b = make_request("b", list(range(12)))
+    hits = kv.find_cached_prefix(b)
+    # 12 tokens = 3 full blocks, but the last token must be computed: 2 blocks hit.
+    assert [blk.block_id for blk in hits] == kv.block_ids("a")[:2]
+    assert kv.allocate(b, 4, hits) is not None
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert hits[0].ref_cnt == 2
+
+
+def test_lru_eviction_prefers_oldest_and_tail_blocks():
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=True)
+    a = make_request("a", list(range(8)))
+    kv.allocate(a, 8)
+    kv.free(a)  # blocks 1, 2 are free but still cached
+    assert kv.pool.num_free_blocks == 4
+    again = make_request("again", list(range(8)) + [50])
+    assert len(kv.find_cached_prefix(again)) == 2
+    # Taking 3 blocks evicts the unhashed block first, then a's tail block (2), keeping its head (1).
+    other = make_request("other", list(range(100, 112)))
+    kv.allocate(other, 12)
+    assert [b.block_id for b in kv.find_cached_prefix(again)] == [1]
+
+
+def test_reset_prefix_cache_forgets_hashes():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = make_request("a", list(range(8)))
+    kv.allocate(a, 8)
+    kv.free(a)
+    kv.reset_prefix_cache()
+    assert kv.find_cached_prefix(make_request("b", list(range(9)))) == []
+
+
+def test_prompt_logprobs_requests_skip_the_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    kv.allocate(make_request("a", list(range(9))), 9)
+    req = Request(EngineCoreRequest("b", list(range(9)), SamplingParams(prompt_logprobs=1)), max_model_len=100)
+    req.update_block_hashes(4)
+    assert kv.find_cached_prefix(req) == []

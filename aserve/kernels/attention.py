@@ -44,6 +44,21 @@ class AttentionMetadata:
     # of this step. Reused by every layer: a fresh multi-megabyte tensor per gather
     # would cost a page fault per 4 KiB, which on a CPU is slower than the copy itself.
     gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Dense staging (aserve.worker.decode_staging), when the runner keeps it: the row of
+    # each decode token's request, where its keys go in ``staged.view(-1, D)`` ([N * Hk]),
+    # and whether the rows are 0 .. n-1 in order (then attention reads a view).
+    decode_rows: torch.Tensor | None = None
+    decode_write_index: torch.Tensor | None = None
+    decode_rows_packed: bool = False
+
+
+@dataclass
+class LayerKV:
+    """One layer's KV cache: the paged tensor and, optionally, dense decode staging."""
+
+    paged: torch.Tensor  # [2, num_blocks, block_size, Hk, D]
+    staged_keys: torch.Tensor | None = None  # [rows, Hk, max_len, D]
+    staged_values: torch.Tensor | None = None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -72,17 +87,34 @@ def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hk, D]
     v: torch.Tensor,  # [T, Hk, D]
-    kv_cache: torch.Tensor,
+    layer_kv: LayerKV,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+    kv_cache = layer_kv.paged
     write_kv(kv_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     kbuf, vbuf = meta.gather_buffers or (None, None)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and meta.decode_rows is not None:
+        assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None and meta.decode_mask is not None
+        staged_k, staged_v = layer_kv.staged_keys, layer_kv.staged_values
+        d = k.shape[-1]
+        staged_k.view(-1, d).index_copy_(0, meta.decode_write_index, k[:nd].reshape(-1, d))
+        staged_v.view(-1, d).index_copy_(0, meta.decode_write_index, v[:nd].reshape(-1, d))
+        length = meta.decode_mask.shape[-1]
+        if meta.decode_rows_packed:
+            keys, values = staged_k[:nd, :, :length], staged_v[:nd, :, :length]  # views: [B, Hk, L, D]
+        else:
+            keys = staged_k.index_select(0, meta.decode_rows)[:, :, :length]
+            values = staged_v.index_select(0, meta.decode_rows)[:, :, :length]
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+        )  # [B, Hq, 1, D]
+        out[:nd] = o.squeeze(2)
+    elif nd:
         assert meta.decode_block_table is not None
         keys = gather_blocks(kv_cache[0], meta.decode_block_table, kbuf).transpose(1, 2)  # [B, Hk, L, D]
         values = gather_blocks(kv_cache[1], meta.decode_block_table, vbuf).transpose(1, 2)

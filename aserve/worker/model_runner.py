@@ -17,8 +17,9 @@ import torch
 
 from aserve.engine.scheduler import RunnerOutput
 from aserve.engine.scheduler_output import SchedulerOutput
-from aserve.kernels.attention import AttentionMetadata, PrefillChunk, gather_numel
+from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, gather_numel
 from aserve.sampling_params import SamplingParams
+from aserve.worker.decode_staging import DecodeStaging
 from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
 from aserve.wire.messages import TokenLogprobs
 
@@ -35,12 +36,14 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int) -> None:
+    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.sampler = Sampler(seed)
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[LayerKV] = []
+        self.use_decode_staging = use_decode_staging
+        self.staging: DecodeStaging | None = None
 
     def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         # One allocation for all layers: [layers, 2, blocks, block_size, kv_heads, head_dim],
@@ -52,21 +55,25 @@ class ModelRunner:
         # layer, and with 4 KiB pages the TLB misses cost more than the copies.
         self._kv_mapping.madvise(mmap.MADV_HUGEPAGE)
         cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
-        self.kv_caches = list(cache.unbind(0))
+        self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
+        if self.use_decode_staging:
+            self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _gather_buffers_for(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for gathering ``num_blocks`` blocks of one layer; grows, never shrinks."""
-        numel = gather_numel(num_blocks, self.kv_caches[0])
+        numel = gather_numel(num_blocks, self.kv_caches[0].paged)
         if self._gather_buffers is None or self._gather_buffers[0].numel() < numel:
             numel = max(numel, 2 * (0 if self._gather_buffers is None else self._gather_buffers[0].numel()))
-            dtype = self.kv_caches[0].dtype
+            dtype = self.kv_caches[0].paged.dtype
             self._gather_buffers = (torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype))
         return self._gather_buffers
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.freed_req_ids:
             self.requests.pop(req_id, None)
+            if self.staging is not None:
+                self.staging.release(req_id)
         for new in sched.new_requests:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
@@ -88,6 +95,18 @@ class ModelRunner:
         # group its own way.
         scheduled.sort(key=lambda item: item[1] != 1)
         num_decode = sum(1 for _, n in scheduled if n == 1)
+        staged_rows = None
+        if num_decode and self.staging is not None:
+            decode = scheduled[:num_decode]
+            rows = self.staging.prepare(
+                [(s.req_id, s.block_ids, s.num_computed_tokens) for s, _ in decode],
+                [layer.paged for layer in self.kv_caches], bs,
+            )
+            order = sorted(range(num_decode), key=rows.__getitem__)
+            scheduled[:num_decode] = [decode[i] for i in order]
+            staged_rows = [rows[i] for i in order]
+            for layer, keys, values in zip(self.kv_caches, self.staging.keys, self.staging.values):
+                layer.staged_keys, layer.staged_values = keys, values
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -105,12 +124,19 @@ class ModelRunner:
         row_t = torch.tensor(row_of_token)
         slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
 
-        decode_table = decode_mask = None
+        decode_table = decode_mask = decode_rows = decode_write_index = None
         if num_decode:
             seq_lens = torch.tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
-            num_blocks = -(-int(seq_lens.max()) // bs)
-            decode_table = block_table[:num_decode, :num_blocks]
-            valid = torch.arange(num_blocks * bs).unsqueeze(0) < seq_lens.unsqueeze(1)  # [Nd, L]
+            if staged_rows is not None:
+                length = int(seq_lens.max())
+                assert self.staging is not None
+                decode_rows = torch.tensor(staged_rows)
+                decode_write_index = self.staging.write_index(staged_rows, (seq_lens - 1).tolist())
+            else:
+                num_blocks = -(-int(seq_lens.max()) // bs)
+                length = num_blocks * bs
+                decode_table = block_table[:num_decode, :num_blocks]
+            valid = torch.arange(length).unsqueeze(0) < seq_lens.unsqueeze(1)  # [Nd, L]
             decode_mask = valid[:, None, None, :]
         prefills = []
         for row in range(num_decode, len(scheduled)):
@@ -121,7 +147,11 @@ class ModelRunner:
         gathered = max([0 if decode_table is None else decode_table.numel()]
                        + [p.block_ids.numel() for p in prefills if p.block_ids is not None])
         buffers = self._gather_buffers_for(gathered) if gathered else None
-        meta = AttentionMetadata(slot_mapping, num_decode, decode_table, decode_mask, tuple(prefills), buffers)
+        meta = AttentionMetadata(
+            slot_mapping, num_decode, decode_table, decode_mask, tuple(prefills), buffers,
+            decode_rows=decode_rows, decode_write_index=decode_write_index,
+            decode_rows_packed=staged_rows is not None and staged_rows == list(range(num_decode)),
+        )
 
         hidden = self.model(torch.tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]
 

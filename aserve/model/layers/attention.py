@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aserve.kernels.attention import AttentionMetadata, paged_attention
+from aserve.kernels.attention import AttentionMetadata, LayerKV, paged_attention
 
 
 class Attention(nn.Module):
@@ -21,7 +21,7 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hk, D]
         v: torch.Tensor,  # [T, Hk, D]
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]

@@ -122,18 +122,21 @@ def paged_attention(
             q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         )  # [B, Hq, 1, D]
         out[:nd] = o.squeeze(2)
+    # Prefill tensors are 4-D ([1, H, S, D]): the CPU flash kernel takes only those,
+    # and 3-D inputs fall back to the much slower math path.
     for chunk in meta.prefills:
-        qc = q[chunk.start : chunk.end].transpose(0, 1)  # [Hq, S, D]
+        qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, S, D]
         if chunk.block_ids is None:
-            kc = k[chunk.start : chunk.end].transpose(0, 1)
-            vc = v[chunk.start : chunk.end].transpose(0, 1)
+            kc = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            vc = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kc = gather_blocks(kv_cache[0], chunk.block_ids, kbuf).transpose(0, 1)  # [Hk, blocks * block_size, D]
-            vc = gather_blocks(kv_cache[1], chunk.block_ids, vbuf).transpose(0, 1)
+            # [1, Hk, blocks * block_size, D]
+            kc = gather_blocks(kv_cache[0], chunk.block_ids, kbuf).transpose(0, 1).unsqueeze(0)
+            vc = gather_blocks(kv_cache[1], chunk.block_ids, vbuf).transpose(0, 1).unsqueeze(0)
             n_q = chunk.end - chunk.start
             # Query i (at position context_len + i) sees keys 0 .. context_len + i.
-            mask = torch.arange(kc.shape[1]) <= (chunk.context_len + torch.arange(n_q)).unsqueeze(1)
+            mask = torch.arange(kc.shape[2]) <= (chunk.context_len + torch.arange(n_q)).unsqueeze(1)
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[chunk.start : chunk.end] = o.transpose(0, 1)
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out

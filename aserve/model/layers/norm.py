@@ -1,4 +1,10 @@
-"""RMSNorm, computed in float32 as Hugging Face does, so bf16 outputs match."""
+"""RMSNorm with the mean square accumulated in float32, as Hugging Face computes it.
+
+Written out rather than ``torch.rms_norm``: on CPU the fused op takes ~7x longer in
+bf16 for a prefill-sized batch ([4096, 1024]: 17 ms against 2.5 ms). The scale is
+rounded to the activation dtype before it multiplies, which in bf16 differs from
+Hugging Face's order by at most one rounding.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ class RMSNorm(nn.Module):
         self.weight = new_param(hidden, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        normed = torch.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        # [..., H] -> [..., H]
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        scale = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(self.eps))
+        return x * scale.to(x.dtype) * self.weight

@@ -47,17 +47,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim, max_position_embeddings, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        # [max_positions, head_dim / 2] each, in the model dtype as HF applies them.
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # [max_positions, head_dim], in the model dtype as HF applies them, laid out so
+        #   rotated = x * cos + swap_halves(x) * sin   with sin's first half negated.
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1).to(dtype), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hk, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, H, D] (queries and keys together: one call for both)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)

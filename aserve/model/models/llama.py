@@ -53,15 +53,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hk) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(n, -1, self.head_dim)  # [T, Hq + 2 Hk, D]
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.contiguous(), kv_cache, meta)  # [T, Hq, D]
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = self.rotary(positions, qk)  # [T, Hq + Hk, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        o = self.attn(q, k.contiguous(), v.contiguous(), kv_cache, meta)  # [T, Hq, D]
         return self.o_proj(o.reshape(n, self.q_size))
 
 

@@ -16,6 +16,7 @@ from aserve.distributed.tp_group import TPGroup
 from aserve.engine.scheduler import RunnerOutput
 from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.model.hf_config import load_arch_config
+from aserve.model.layers.linear import prepack_linears
 from aserve.model.loader import load_model, resolve_dtype
 from aserve.worker.kv_spec import local_kv_heads
 from aserve.worker.model_runner import ModelRunner
@@ -30,6 +31,7 @@ class Worker:
         arch = load_arch_config(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, arch)
         model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp)
+        prepack_linears(model)
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed)
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(

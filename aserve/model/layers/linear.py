@@ -18,7 +18,54 @@ from aserve.distributed.tp_group import TPGroup
 from aserve.model.layers.weights import TensorSource, check_shape, expect_full_shape, new_param
 
 
-class ColumnParallelLinear(nn.Module):
+def _cpu_linear_packing_works(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a weight of ``dtype`` (and gives F.linear's result)."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        w = torch.ones(8, 8, dtype=dtype)
+        x = torch.ones(2, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class _Linear(nn.Module):
+    """Shared forward: ``F.linear``, or oneDNN on a prepacked weight after
+    :func:`prepack_linears` (on CPU about 1.5x faster at decode batch sizes, where
+    ``F.linear`` would reorder the weight into oneDNN's blocked layout on every call)."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    packed_weight: torch.Tensor | None = None
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+    def prepack(self) -> None:
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
+        # The plain copy is no longer read: keep the parameter (for its name) but free it.
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Prepack every tensor-parallel linear of a CPU model for oneDNN; returns how many.
+
+    Does nothing where oneDNN cannot (no mkldnn build, another dtype). Call it after
+    the weights are loaded: packed layers no longer accept weight loading.
+    """
+    layers = [m for m in model.modules() if isinstance(m, _Linear)]
+    if not layers or layers[0].weight.device.type != "cpu" or not _cpu_linear_packing_works(layers[0].weight.dtype):
+        return 0
+    for layer in layers:
+        layer.prepack()
+    return len(layers)
+
+
+class ColumnParallelLinear(_Linear):
     """``y = x W^T + b`` with W's rows (output features) split over ranks.
 
     ``output_sizes`` lists the logical outputs stacked in this layer (for example
@@ -57,7 +104,7 @@ class ColumnParallelLinear(nn.Module):
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -95,7 +142,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return offset, rows, rank * rows
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     """``y = all_reduce(x_local W_local^T) + b`` with W's columns split over ranks.
 
     The bias is added once, after the reduction.
@@ -117,5 +164,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias

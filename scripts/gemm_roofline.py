@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""GEMM GFLOP/s and copy bandwidth of this machine at the shapes the 152M benchmark runs.
+
+    python scripts/gemm_roofline.py [--threads 2]
+
+For each shape [M x K] . [K x N] (M = 32 decode rows, 4096 prefill rows) it times
+``F.linear`` and oneDNN on a prepacked weight (what aserve uses on CPU) in float32 and
+bfloat16, and prints GFLOP/s, so engine figures can be stated as a fraction of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (name, K, N) of the 152M Llama's projections (hidden 1024, intermediate 2816).
+SHAPES = [("qkv", 1024, 3072), ("o_proj", 1024, 1024), ("gate_up", 1024, 5632), ("down", 2816, 1024)]
+
+
+def timed(fn, seconds: float = 0.3) -> float:
+    fn()
+    fn()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = []
+    print(f"{'dtype':<9} {'M':>5} {'shape':<8} {'F.linear GF/s':>14} {'packed GF/s':>12}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in (32, 4096):
+            total_flops = total_plain = total_packed = 0.0
+            for name, k, n in SHAPES:
+                x = torch.randn(m, k).to(dtype)
+                w = torch.randn(n, k).to(dtype)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w)
+                flops = 2 * m * k * n
+                plain = timed(lambda: F.linear(x, w))
+                pk = timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+                total_flops += flops
+                total_plain += plain
+                total_packed += pk
+                print(f"{str(dtype)[6:]:<9} {m:>5} {name:<8} {flops / plain / 1e9:>14.0f} {flops / pk / 1e9:>12.0f}")
+            # One decoder layer's projections, 12 layers: the GEMM floor of one step.
+            results.append({"dtype": str(dtype)[6:], "M": m, "layer_gflops_plain": round(total_flops / total_plain / 1e9),
+                            "layer_gflops_packed": round(total_flops / total_packed / 1e9),
+                            "step_gemm_ms_12_layers_packed": round(12 * total_packed * 1e3, 1)})
+    src = torch.empty(64 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src))
+    bandwidth = 2 * src.numel() / copy_s / 1e9
+    print(f"memory copy: {bandwidth:.1f} GB/s (read + write, 64 MiB)")
+    for r in results:
+        print(json.dumps(r))
+    print(json.dumps({"copy_gb_s": round(bandwidth, 1)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -95,3 +95,14 @@ def test_prompt_logprobs_close_to_transformers(arch, model_dirs, references):
         top = torch.topk(ref[pos - 1], 3)
         for value, token in zip(top.values.tolist(), top.indices.tolist()):
             assert entry[token].logprob == pytest.approx(value, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_logprobs_close_to_float32_reference(dtype, llama_dir, references):
+    prompts, _, hf = references["llama"]
+    llm = LLM(str(llama_dir), dtype=dtype, kv_cache_memory=1 << 24)
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    ref = hf_logprobs(hf, prompts[1])
+    errors = [abs(entry[prompts[1][pos]].logprob - float(ref[pos - 1, prompts[1][pos]]))
+              for pos, entry in enumerate(out.prompt_logprobs[1:], start=1)]
+    assert max(errors) < 0.1

@@ -1,0 +1,237 @@
+"""A lock-free broadcast ring in shared memory: one writer, N readers (wire 2).
+
+The engine core writes each message once; every worker reads it. Layout of the one
+segment (``/dev/shm/<name>``)::
+
+    +---------------------------------------------+------------------------------------+
+    | chunk 0 | chunk 1 | ...       | chunk C-1   | meta 0 | meta 1 | ... | meta C-1    |
+    +---------------------------------------------+------------------------------------+
+      C x max_chunk_bytes                           C x (1 + n_readers) bytes
+
+    meta i  = [ written | read_0 | read_1 | ... | read_{N-1} ]    one byte each
+    chunk i = [ kind: u8 | length: u32 | payload ]   kind 0: inline, 1: on the side channel
+
+No locks: the writer is the only one to touch ``written`` and to clear read flags, and
+each reader touches only its own flag. The writer reuses a chunk only when it is
+unwritten or every reader has set its flag; a reader reads a chunk when ``written`` is
+set and its own flag is clear. A write goes: clear ``written``, write the data, clear
+the reader flags, set ``written``; a reader copies the payload out before it sets its
+flag. (x86 keeps stores in order and loads in order, which is all this needs.)
+
+A payload larger than a chunk goes through a ZeroMQ XPUB/SUB side channel, with a
+marker in the chunk so readers take messages in order from the ring.
+
+Waiting: spin with ``sched_yield`` for a short while (messages arrive microseconds
+apart during generation), then sleep with a growing back-off capped at a few
+milliseconds, so an idle server costs no CPU. A wait past its timeout raises
+``TimeoutError``; a writer blocked for ``warn_after`` seconds logs which readers have
+not caught up.
+
+The writer creates the segment and unlinks it in ``close()``; readers only attach.
+Nothing read from the ring is unpickled: payloads are bytes (msgspec on both sides).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CHUNK_BYTES = 16 << 20
+DEFAULT_MAX_CHUNKS = 8
+_HEADER = struct.Struct("<BI")  # kind, length
+_INLINE, _SIDE = 0, 1
+
+SPIN_SECONDS = 2e-4  # yield-spin this long before sleeping
+MAX_SLEEP_SECONDS = 5e-3  # longest back-off sleep: bounds idle CPU and wake-up latency
+
+
+class RingClosedError(RuntimeError):
+    """The ring's segment is gone (its writer closed it)."""
+
+
+def _wait(ready: Callable[[], bool], deadline: float | None, on_slow: Callable[[float], None] | None = None,
+          warn_after: float = 60.0) -> None:
+    """Return once ``ready()``; TimeoutError at ``deadline`` (a ``time.monotonic`` value)."""
+    if ready():
+        return
+    start = time.monotonic()
+    spin_until = start + SPIN_SECONDS
+    while time.monotonic() < spin_until:
+        os.sched_yield()
+        if ready():
+            return
+    sleep = 1e-5
+    next_warning = start + warn_after
+    while not ready():
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise TimeoutError("timed out waiting on the shared-memory ring")
+        if on_slow is not None and now >= next_warning:
+            on_slow(now - start)
+            next_warning = now + warn_after
+        time.sleep(sleep)
+        sleep = min(sleep * 2, MAX_SLEEP_SECONDS)
+
+
+class _Segment:
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        self.name = name
+        self.path = f"/dev/shm/{name}"
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self.map)
+
+    def close(self) -> None:
+        self.buf.release()
+        self.map.close()
+
+
+class _Layout:
+    def __init__(self, n_readers: int, max_chunks: int, max_chunk_bytes: int) -> None:
+        self.n_readers = n_readers
+        self.max_chunks = max_chunks
+        self.max_chunk_bytes = max_chunk_bytes
+        self.meta_start = max_chunks * max_chunk_bytes
+        self.meta_stride = 1 + n_readers
+        self.size = self.meta_start + max_chunks * self.meta_stride
+
+    def chunk(self, i: int) -> int:
+        return i * self.max_chunk_bytes
+
+    def meta(self, i: int) -> int:
+        return self.meta_start + i * self.meta_stride
+
+
+class ShmRingWriter:
+    """The writing end; creates the segment and the side channel.
+
+    ``side_channel_address`` is where the XPUB socket binds (``ipc://...``); call
+    :meth:`wait_for_readers` before the first write so no side-channel message is lost.
+    """
+
+    def __init__(self, name: str, n_readers: int, *, side_channel_address: str, zmq_context: zmq.Context,
+                 max_chunks: int = DEFAULT_MAX_CHUNKS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 warn_after: float = 60.0) -> None:
+        self.layout = _Layout(n_readers, max_chunks, max_chunk_bytes)
+        self._segment = _Segment(name, self.layout.size, create=True)
+        self.name = name
+        self.side_channel_address = side_channel_address
+        self._side = zmq_context.socket(zmq.XPUB)
+        self._side.setsockopt(zmq.LINGER, 0)
+        self._side.setsockopt(zmq.SNDHWM, 0)
+        # Report every reader's subscription, not only the first one to a topic.
+        self._side.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._side.bind(side_channel_address)
+        self._index = 0
+        self._warn_after = warn_after
+        self._closed = False
+
+    def wait_for_readers(self, timeout: float) -> None:
+        """Block until every reader has subscribed to the side channel."""
+        deadline = time.monotonic() + timeout
+        subscribed = 0
+        poller = zmq.Poller()
+        poller.register(self._side, zmq.POLLIN)
+        while subscribed < self.layout.n_readers:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poller.poll(remaining * 1000):
+                raise TimeoutError(f"{subscribed} of {self.layout.n_readers} ring readers attached")
+            if self._side.recv()[:1] == b"\x01":
+                subscribed += 1
+
+    def _behind(self, meta: int) -> list[int]:
+        buf = self._segment.buf
+        return [r for r in range(self.layout.n_readers) if not buf[meta + 1 + r]]
+
+    def write(self, payload: bytes, timeout: float | None = None) -> None:
+        """Publish ``payload`` to every reader; waits while the chunk is still unread."""
+        buf = self._segment.buf
+        layout = self.layout
+        meta = layout.meta(self._index)
+        readers = range(1, 1 + layout.n_readers)
+
+        def chunk_free() -> bool:
+            return not buf[meta] or all(buf[meta + r] for r in readers)
+
+        def log_slow(waited: float) -> None:
+            logger.warning("ring %s: writer blocked for %.0f s; readers %s have not read chunk %d",
+                           self.name, waited, self._behind(meta), self._index)
+
+        _wait(chunk_free, None if timeout is None else time.monotonic() + timeout, log_slow, self._warn_after)
+        start = layout.chunk(self._index)
+        buf[meta] = 0
+        if _HEADER.size + len(payload) <= layout.max_chunk_bytes:
+            _HEADER.pack_into(buf, start, _INLINE, len(payload))
+            buf[start + _HEADER.size : start + _HEADER.size + len(payload)] = payload
+        else:
+            _HEADER.pack_into(buf, start, _SIDE, len(payload))
+            self._side.send(payload, copy=False)
+        buf[meta + 1 : meta + 1 + layout.n_readers] = bytes(layout.n_readers)
+        buf[meta] = 1
+        self._index = (self._index + 1) % layout.max_chunks
+
+    def close(self) -> None:
+        """Close the side channel and unmap and unlink the segment (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._side.close(linger=0)
+        self._segment.close()
+        try:
+            os.unlink(self._segment.path)
+        except FileNotFoundError:
+            pass
+
+
+class ShmRingReader:
+    """Reader ``rank`` of an existing ring (0 .. n_readers - 1)."""
+
+    def __init__(self, name: str, rank: int, n_readers: int, *, side_channel_address: str, zmq_context: zmq.Context,
+                 max_chunks: int = DEFAULT_MAX_CHUNKS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+        self.layout = _Layout(n_readers, max_chunks, max_chunk_bytes)
+        self.rank = rank
+        try:
+            self._segment = _Segment(name, self.layout.size, create=False)
+        except FileNotFoundError as exc:
+            raise RingClosedError(f"ring segment {name} does not exist") from exc
+        self._side = zmq_context.socket(zmq.SUB)
+        self._side.setsockopt(zmq.LINGER, 0)
+        self._side.setsockopt(zmq.RCVHWM, 0)
+        self._side.setsockopt(zmq.SUBSCRIBE, b"")
+        self._side.connect(side_channel_address)
+        self._index = 0
+
+    def read(self, timeout: float | None = None) -> bytes:
+        """The next message; waits for it (TimeoutError after ``timeout`` seconds)."""
+        buf = self._segment.buf
+        layout = self.layout
+        meta = layout.meta(self._index)
+        flag = meta + 1 + self.rank
+        _wait(lambda: buf[meta] == 1 and not buf[flag], None if timeout is None else time.monotonic() + timeout)
+        start = layout.chunk(self._index)
+        kind, length = _HEADER.unpack_from(buf, start)
+        if kind == _INLINE:
+            payload = bytes(buf[start + _HEADER.size : start + _HEADER.size + length])
+        else:
+            payload = self._side.recv()
+        buf[flag] = 1
+        self._index = (self._index + 1) % layout.max_chunks
+        return payload
+
+    def close(self) -> None:
+        self._side.close(linger=0)
+        self._segment.close()

@@ -1,0 +1,132 @@
+"""The shared-memory broadcast ring: order, wrap-around, slow readers, big messages."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import uuid
+
+import pytest
+import zmq
+
+from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
+
+CHUNKS, CHUNK_BYTES = 4, 4096
+
+
+@pytest.fixture
+def ring_names(tmp_path):
+    token = uuid.uuid4().hex[:12]
+    return f"aserve_test_{token}", f"ipc://{tmp_path}/side-{token}"
+
+
+def make_writer(names, n_readers, ctx):
+    return ShmRingWriter(names[0], n_readers, side_channel_address=names[1], zmq_context=ctx,
+                         max_chunks=CHUNKS, max_chunk_bytes=CHUNK_BYTES)
+
+
+def make_reader(names, rank, n_readers, ctx):
+    return ShmRingReader(names[0], rank, n_readers, side_channel_address=names[1], zmq_context=ctx,
+                         max_chunks=CHUNKS, max_chunk_bytes=CHUNK_BYTES)
+
+
+def message(i: int) -> bytes:
+    size = 10 * CHUNK_BYTES if i % 7 == 3 else (i * 37) % 3000  # some go through the side channel
+    return hashlib.sha256(str(i).encode()).digest() * (size // 32 + 1)
+
+
+def reader_process(names, rank, n_readers, count, conn):
+    ctx = zmq.Context()
+    reader = make_reader(names, rank, n_readers, ctx)
+    conn.send("attached")
+    digest = hashlib.sha256()
+    for _ in range(count):
+        digest.update(reader.read(timeout=30))
+    reader.close()
+    ctx.term()
+    conn.send(digest.hexdigest())
+
+
+def test_many_messages_in_order_to_several_reader_processes(ring_names):
+    n_readers, count = 2, 200
+    ctx = zmq.Context()
+    writer = make_writer(ring_names, n_readers, ctx)
+    spawn = mp.get_context("spawn")
+    pipes, procs = [], []
+    for rank in range(n_readers):
+        parent, child = spawn.Pipe()
+        proc = spawn.Process(target=reader_process, args=(ring_names, rank, n_readers, count, child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        for pipe in pipes:
+            assert pipe.poll(60) and pipe.recv() == "attached"
+        writer.wait_for_readers(timeout=30)
+        expected = hashlib.sha256()
+        for i in range(count):  # 200 messages through 4 chunks: 50 wrap-arounds
+            writer.write(message(i), timeout=30)
+            expected.update(message(i))
+        for pipe in pipes:
+            assert pipe.poll(60)
+            assert pipe.recv() == expected.hexdigest()
+    finally:
+        for proc in procs:
+            proc.join(30)
+        writer.close()
+        ctx.term()
+    assert all(p.exitcode == 0 for p in procs)
+    assert not os.path.exists(f"/dev/shm/{ring_names[0]}")
+
+
+def test_slow_reader_blocks_the_writer_until_it_reads(ring_names):
+    ctx = zmq.Context()
+    writer = make_writer(ring_names, 2, ctx)
+    fast, slow = make_reader(ring_names, 0, 2, ctx), make_reader(ring_names, 1, 2, ctx)
+    writer.wait_for_readers(timeout=10)
+    try:
+        for i in range(CHUNKS):
+            writer.write(b"m%d" % i)
+        assert [fast.read(timeout=1) for _ in range(CHUNKS)] == [b"m%d" % i for i in range(CHUNKS)]
+        with pytest.raises(TimeoutError):
+            writer.write(b"next", timeout=0.05)  # chunk 0 is still unread by the slow reader
+        assert slow.read(timeout=1) == b"m0"
+        writer.write(b"next", timeout=1)
+        assert fast.read(timeout=1) == b"next"
+        assert [slow.read(timeout=1) for _ in range(CHUNKS)] == [b"m1", b"m2", b"m3", b"next"]
+    finally:
+        fast.close()
+        slow.close()
+        writer.close()
+        ctx.term()
+
+
+def test_reader_times_out_when_nothing_comes(ring_names):
+    ctx = zmq.Context()
+    writer = make_writer(ring_names, 1, ctx)
+    reader = make_reader(ring_names, 0, 1, ctx)
+    try:
+        with pytest.raises(TimeoutError):
+            reader.read(timeout=0.05)
+    finally:
+        reader.close()
+        writer.close()
+        ctx.term()
+
+
+def test_message_larger_than_a_chunk(ring_names):
+    ctx = zmq.Context()
+    writer = make_writer(ring_names, 1, ctx)
+    reader = make_reader(ring_names, 0, 1, ctx)
+    writer.wait_for_readers(timeout=10)
+    try:
+        big = os.urandom(5 * CHUNK_BYTES)
+        writer.write(b"before")
+        writer.write(big)
+        writer.write(b"after")
+        assert [reader.read(timeout=5) for _ in range(3)] == [b"before", big, b"after"]
+    finally:
+        reader.close()
+        writer.close()
+        ctx.term()

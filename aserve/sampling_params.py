@@ -1,8 +1,8 @@
 """``SamplingParams``: how to pick each next token, and when to stop.
 
 The same struct is used by the library API, the HTTP layer and (later) the wire to the
-engine core, so it is a ``msgspec.Struct`` with the wire options: encoded as an array,
-defaults omitted, not tracked by the garbage collector. Field names and meanings follow
+engine core, so it is a ``msgspec.Struct`` with the wire options: encoded as an array, not
+tracked by the garbage collector (see ``aserve.wire.messages``). Field names and meanings follow
 vLLM's ``SamplingParams``.
 """
 

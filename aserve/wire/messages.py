@@ -1,8 +1,10 @@
 """Messages between the front end (``LLM``, API servers) and the engine core.
 
 All are ``msgspec.Struct``s declared ``array_like=True, omit_defaults=True, gc=False``:
-encoded as msgpack arrays (field order is the protocol), trailing defaults omitted, and
-never tracked by the garbage collector. Text never crosses this boundary: the engine
+encoded as msgpack arrays (field order is the protocol, no field names are sent) and
+never tracked by the garbage collector. msgspec 0.2x still writes the trailing
+defaults of array-like structs (measured: ``omit_defaults`` has no effect there), but
+decoders accept a body that leaves them out, so the option is kept for when it does. Text never crosses this boundary: the engine
 core sees token ids only, and the front end detokenises.
 """
 

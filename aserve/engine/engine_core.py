@@ -94,13 +94,26 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def prepare_request(self, request: EngineCoreRequest) -> Request:
+        """Validate and build the scheduler's request (its prompt block hashes too).
+
+        Separate from :meth:`add_prepared` so the engine-core process can do this work in
+        its input task, overlapped with the model step in progress.
+        """
         if len(request.prompt_token_ids) >= self.config.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is {self.config.max_model_len}",
                 param="prompt",
             )
-        self.scheduler.add_request(Request(request, max_model_len=self.config.max_model_len))
+        prepared = Request(request, max_model_len=self.config.max_model_len)
+        prepared.update_block_hashes(self.config.cache.block_size)
+        return prepared
+
+    def add_prepared(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.add_prepared(self.prepare_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
@@ -119,9 +132,23 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
 
+    def ping(self) -> str:
+        return "pong"
+
     @property
     def kv_cache_usage(self) -> float:
         return self.kv.usage
+
+    def get_stats(self) -> dict[str, float]:
+        """Counts for tests, health and metrics (a UTILITY call)."""
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": self.kv.usage,
+            "num_free_blocks": self.kv.pool.num_free_blocks,
+            "num_usable_blocks": self.kv.pool.num_usable_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
 
     def shutdown(self) -> None:
         self.executor.shutdown()  # type: ignore[attr-defined]

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+
+import msgspec
 
 from aserve.config import SchedulerConfig
 from aserve.engine.kv_cache_manager import KVCacheManager
@@ -28,9 +29,8 @@ from aserve.engine.scheduler_output import CachedRequestData, NewRequestData, Sc
 from aserve.wire.messages import EngineCoreOutput, FinishReason, TokenLogprobs
 
 
-@dataclass
-class RunnerOutput:
-    """The model runner's answer to one ``SchedulerOutput``."""
+class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The model runner's answer to one ``SchedulerOutput`` (crosses wire 2)."""
 
     req_ids: list[str]  # requests that sampled a token this step
     sampled_token_ids: list[int]
@@ -66,7 +66,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
-        request.update_block_hashes(self.block_size)
+        request.update_block_hashes(self.block_size)  # a no-op when already prepared
         self.requests[request.request_id] = request
         self._enqueue(request)
 

@@ -11,6 +11,7 @@ core sees token ids only, and the front end detokenises.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -65,9 +66,25 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
 
 
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to one UTILITY call, matched to it by ``call_id``."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None  # set when the call raised; result is then None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Everything one engine step produced for one client."""
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
+    utility_output: UtilityOutput | None = None

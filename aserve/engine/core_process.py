@@ -1,0 +1,265 @@
+"""The engine-core process: an ``EngineCore`` wired to ZeroMQ (DESIGN §2 and §4).
+
+::
+
+    API server ROUTER ──► DEALER ─ input task ─┬─► input queue ──┐
+                                               └─► aborts queue ─┤
+                                                  busy loop (its own thread):
+                                                  take input, schedule, execute, update,
+                                                  drain aborts right after the step
+    API server PULL ◄── PUSH ── output task ◄── output stream ◄──┘
+
+The input and output tasks run in the process's anyio event loop; the busy loop runs
+in a worker thread because a model step blocks. Only the busy loop touches the
+``EngineCore``. Every exit path closes the sockets and shuts the executor down (which
+removes its shared memory); an exit caused by an error first sends
+``ENGINE_CORE_DEAD`` to every API server, so their requests fail at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import zmq
+
+from aserve.config import EngineConfig
+from aserve.engine.engine_core import EngineCore, fit_config
+from aserve.errors import AserveError
+from aserve.launch.process_utils import exit_with_parent, set_process_title
+from aserve.wire.codec import ENGINE_CORE_DEAD, EngineReady, OutputsEncoder, RequestDecoder, RequestType, WireError
+from aserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
+from aserve.wire.zmq_anyio import AsyncSocket
+
+logger = logging.getLogger("aserve.engine_core")
+
+READY_FRAME = b"READY"
+
+#: Engine-core methods a UTILITY call may name. Nothing else is callable from the wire.
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "ping"})
+
+
+@dataclass(frozen=True)
+class EngineCoreProcConfig:
+    engine: EngineConfig
+    engine_index: int
+    input_addresses: tuple[str, ...]  # each API server's ROUTER
+    output_addresses: tuple[str, ...]  # each API server's PULL
+    instance_dir: str  # this server instance's private directory (IPC files)
+    instance_id: str  # prefix of every shared-memory segment of this instance
+    use_worker_processes: bool = True
+
+
+def run_engine_core(cfg: EngineCoreProcConfig) -> None:
+    """Process entry point (a ``spawn`` target)."""
+    parent = os.getppid()
+    set_process_title(f"aserve::engine_core_{cfg.engine_index}")
+    exit_with_parent()
+    logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    code = 0
+    try:
+        anyio.run(_serve, cfg)
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        logger.exception("engine core %d failed", cfg.engine_index)
+        code = 1
+    finally:
+        if os.getppid() != parent:  # orphaned: nobody else will remove the IPC files
+            shutil.rmtree(cfg.instance_dir, ignore_errors=True)
+    sys.exit(code)
+
+
+def _make_executor_factory(cfg: EngineCoreProcConfig) -> Callable[[EngineConfig], Any]:
+    if cfg.use_worker_processes:
+        from aserve.executor.multiproc import MultiprocExecutor
+
+        return lambda config: MultiprocExecutor(config, instance_dir=cfg.instance_dir, instance_id=cfg.instance_id,
+                                                dp_rank=cfg.engine_index)
+    from aserve.executor.in_process import InProcessExecutor
+
+    return InProcessExecutor
+
+
+class _Shutdown:
+    pass
+
+
+class _BusyLoop:
+    """The loop that owns the ``EngineCore``; runs in a thread, talks through queues."""
+
+    def __init__(self, core: EngineCore, engine_index: int, emit: Callable[[int, EngineCoreOutputs], None]) -> None:
+        self.core = core
+        self.engine_index = engine_index
+        self.inputs: queue.SimpleQueue = queue.SimpleQueue()
+        self.aborts: queue.SimpleQueue = queue.SimpleQueue()
+        self._emit = emit
+        self._client_of: dict[str, int] = {}
+
+    def run(self) -> None:
+        core = self.core
+        while True:
+            outputs: list[EngineCoreOutput] = []
+            block = not core.has_unfinished_requests()
+            try:
+                item = self.inputs.get(block=block)
+                while True:
+                    if isinstance(item, _Shutdown):
+                        return
+                    self._handle(item, outputs)
+                    item = self.inputs.get_nowait()
+            except queue.Empty:
+                pass
+            if core.has_unfinished_requests():
+                outputs.extend(core.step())
+            while True:  # aborts that arrived during the step stop using the model now
+                try:
+                    outputs.extend(core.abort_requests(self.aborts.get_nowait()))
+                except queue.Empty:
+                    break
+            if outputs:
+                self._publish(outputs)
+
+    def _handle(self, item: tuple, outputs: list[EngineCoreOutput]) -> None:
+        kind = item[0]
+        if kind == "add":
+            _, request, client = item
+            self._client_of[request.request_id] = client
+            self.core.add_prepared(request)
+        elif kind == "abort":
+            outputs.extend(self.core.abort_requests(item[1]))
+        elif kind == "utility":
+            _, call = item
+            try:
+                result = getattr(self.core, call.method)(*call.args) if call.method in UTILITY_METHODS else None
+                if call.method not in UTILITY_METHODS:
+                    raise AserveError(f"unknown utility method {call.method!r}")
+                reply = UtilityOutput(call.call_id, result)
+            except Exception as exc:  # the caller gets the error; the engine goes on
+                reply = UtilityOutput(call.call_id, None, f"{type(exc).__name__}: {exc}")
+            self._emit(call.client_index, EngineCoreOutputs(self.engine_index, utility_output=reply))
+        elif kind == "reject":
+            _, request_id, client = item
+            self._client_of[request_id] = client
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR))
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for out in outputs:
+            client = self._client_of.get(out.request_id, 0)
+            if out.finish_reason is not None:
+                self._client_of.pop(out.request_id, None)
+            by_client.setdefault(client, []).append(out)
+        now = time.monotonic()
+        for client, outs in by_client.items():
+            self._emit(client, EngineCoreOutputs(self.engine_index, outs, now))
+
+
+async def _serve(cfg: EngineCoreProcConfig) -> None:
+    fitted = fit_config(cfg.engine)
+    core = EngineCore(fitted, _make_executor_factory(cfg))
+    ctx = zmq.Context()
+    dealers: list[AsyncSocket] = []
+    pushes: list[AsyncSocket] = []
+    failed = True
+    try:
+        # Everything allocated so far lives as long as the process: keep the collector
+        # from scanning it again on every collection.
+        gc.collect()
+        gc.freeze()
+        identity = cfg.engine_index.to_bytes(2, "little")
+        for address in cfg.input_addresses:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            dealers.append(AsyncSocket(sock))
+        for address in cfg.output_addresses:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)  # let ENGINE_CORE_DEAD reach the API servers
+            sock.connect(address)
+            pushes.append(AsyncSocket(sock))
+        ready = EngineReady(cfg.engine_index, core.config.max_model_len, core.config.cache.num_blocks or 0,
+                            core.config.cache.block_size, core.kv_capacity_tokens)
+        import msgspec
+
+        ready_body = msgspec.msgpack.encode(ready)
+        for dealer in dealers:
+            await dealer.send_multipart([READY_FRAME, ready_body])
+
+        send_outputs, receive_outputs = anyio.create_memory_object_stream[tuple[int, EngineCoreOutputs]](float("inf"))
+
+        def emit(client: int, outputs: EngineCoreOutputs) -> None:
+            anyio.from_thread.run_sync(send_outputs.send_nowait, (client, outputs))
+
+        loop = _BusyLoop(core, cfg.engine_index, emit)
+
+        async def input_task(sock: AsyncSocket, client: int) -> None:
+            decoder = RequestDecoder()
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    kind, body = decoder.decode(frames)
+                except WireError as exc:
+                    logger.warning("dropped a malformed message: %s", exc)
+                    continue
+                if kind is RequestType.ADD:
+                    try:
+                        loop.inputs.put(("add", core.prepare_request(body), body.client_index))
+                    except AserveError as exc:
+                        logger.warning("rejected request %s: %s", body.request_id, exc)
+                        loop.inputs.put(("reject", body.request_id, body.client_index))
+                elif kind is RequestType.ABORT:
+                    loop.inputs.put(("abort", body))
+                    loop.aborts.put(body)
+                elif kind is RequestType.UTILITY:
+                    loop.inputs.put(("utility", body))
+
+        async def output_task() -> None:
+            encoder = OutputsEncoder()
+            async with receive_outputs:
+                async for client, outputs in receive_outputs:
+                    # copy=True: zmq copies the bytes, so the encoder may reuse its buffer.
+                    await pushes[client].send_multipart([encoder.encode(outputs)], copy=True)
+
+        async def signal_task(scope: anyio.CancelScope) -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    loop.inputs.put(_Shutdown())
+                    return
+
+        async with anyio.create_task_group() as tg:
+            for client, dealer in enumerate(dealers):
+                tg.start_soon(input_task, dealer, client)
+            tg.start_soon(output_task)
+            tg.start_soon(signal_task, tg.cancel_scope)
+            try:
+                await anyio.to_thread.run_sync(loop.run, abandon_on_cancel=True)
+            finally:
+                send_outputs.close()
+            tg.cancel_scope.cancel()
+        failed = False
+    finally:
+        if failed:
+            for push in pushes:
+                try:
+                    push.send_nowait([ENGINE_CORE_DEAD])
+                except zmq.ZMQError:
+                    pass
+        for sock in (*dealers, *pushes):
+            sock.close()
+        ctx.term()
+        core.shutdown()

@@ -1,0 +1,149 @@
+"""Runs the model in worker processes, one per TP rank, over shared-memory rings.
+
+The engine core writes each call once to a broadcast ring that every worker reads;
+the call's output rank (rank 0) replies on its own response ring. A wait for a reply
+looks at the workers every second: a worker that died fails the executor with
+``EngineDeadError`` within about a second, and a step that exceeds
+``execute_model_timeout`` (300 s) fails it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+
+import msgspec
+import zmq
+
+from aserve.config import EngineConfig
+from aserve.distributed.shm_ring import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, RingClosedError, ShmRingReader, ShmRingWriter
+from aserve.engine.scheduler import RunnerOutput
+from aserve.engine.scheduler_output import SchedulerOutput
+from aserve.errors import EngineDeadError
+from aserve.executor.messages import REPLY_DECODER, WorkerCall
+from aserve.worker.worker_process import WorkerProcConfig, run_worker
+
+logger = logging.getLogger("aserve.executor")
+
+EXECUTE_MODEL_TIMEOUT = 300.0
+_POLL = 1.0
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, *, instance_dir: str, instance_id: str, dp_rank: int = 0, dp_size: int = 1,
+                 startup_timeout: float = 600.0, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+        self.tp_size = config.parallel.tensor_parallel_size
+        self._ctx = zmq.Context()
+        self._encoder = msgspec.msgpack.Encoder()
+        prefix = f"{instance_id}_dp{dp_rank}"
+        self._broadcast = ShmRingWriter(f"{prefix}_bcast", self.tp_size,
+                                        side_channel_address=f"ipc://{instance_dir}/dp{dp_rank}_bcast",
+                                        zmq_context=self._ctx, max_chunk_bytes=max_chunk_bytes)
+        self._response_names = [f"{prefix}_resp{rank}" for rank in range(self.tp_size)]
+        self._responses: list[ShmRingReader] = []
+        self.workers: list[mp.process.BaseProcess] = []
+        self._closed = False
+        spawn = mp.get_context("spawn")
+        try:
+            for rank in range(self.tp_size):
+                cfg = WorkerProcConfig(
+                    engine=config, rank=rank, tp_size=self.tp_size, dp_rank=dp_rank, dp_size=dp_size,
+                    broadcast_name=f"{prefix}_bcast", broadcast_side=f"ipc://{instance_dir}/dp{dp_rank}_bcast",
+                    response_name=self._response_names[rank], response_side=f"ipc://{instance_dir}/dp{dp_rank}_resp{rank}",
+                    dist_init_file=f"{instance_dir}/dist_dp{dp_rank}", max_chunks=DEFAULT_MAX_CHUNKS,
+                    max_chunk_bytes=max_chunk_bytes,
+                )
+                proc = spawn.Process(target=run_worker, args=(cfg,), name=f"worker_dp{dp_rank}_tp{rank}")
+                proc.start()
+                self.workers.append(proc)
+            deadline = time.monotonic() + startup_timeout
+            for rank in range(self.tp_size):
+                self._responses.append(self._attach(rank, instance_dir, dp_rank, max_chunk_bytes, deadline))
+            self._broadcast.wait_for_readers(timeout=max(1.0, deadline - time.monotonic()))
+            for rank in range(self.tp_size):  # each worker's READY, after its model loaded
+                self._read_reply(rank, deadline)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _attach(self, rank: int, instance_dir: str, dp_rank: int, max_chunk_bytes: int, deadline: float) -> ShmRingReader:
+        sleep = 0.001
+        while True:
+            self._check_workers()
+            try:
+                return ShmRingReader(self._response_names[rank], 0, 1,
+                                     side_channel_address=f"ipc://{instance_dir}/dp{dp_rank}_resp{rank}",
+                                     zmq_context=self._ctx, max_chunk_bytes=max_chunk_bytes)
+            except RingClosedError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {rank} did not start") from None
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 0.05)
+
+    def _check_workers(self) -> None:
+        for rank, proc in enumerate(self.workers):
+            if proc.exitcode is not None:
+                raise EngineDeadError(f"worker tp{rank} exited with code {proc.exitcode}")
+
+    def _read_reply(self, rank: int, deadline: float) -> RunnerOutput | None:
+        ring = self._responses[rank]
+        while True:
+            try:
+                reply = REPLY_DECODER.decode(ring.read(timeout=min(_POLL, max(0.0, deadline - time.monotonic()))))
+                break
+            except TimeoutError:
+                self._check_workers()
+                if time.monotonic() >= deadline:
+                    raise EngineDeadError(f"worker tp{rank} gave no answer in time") from None
+        if not reply.ok:
+            raise EngineDeadError(f"worker tp{rank} failed: {reply.error}")
+        return reply.output
+
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        deadline = time.monotonic() + EXECUTE_MODEL_TIMEOUT
+        self._write(WorkerCall("execute_model", sched, output_rank=0), deadline)
+        output = self._read_reply(0, deadline)
+        assert output is not None
+        return output
+
+    def _write(self, call: WorkerCall, deadline: float) -> None:
+        payload = self._encoder.encode(call)
+        while True:
+            try:
+                self._broadcast.write(payload, timeout=min(_POLL, max(0.0, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                self._check_workers()
+                if time.monotonic() >= deadline:
+                    raise EngineDeadError("workers stopped reading the broadcast ring") from None
+
+    def shutdown(self) -> None:
+        """Stop the workers (asking first, then SIGTERM, then SIGKILL) and remove the rings."""
+        if self._closed:
+            return
+        self._closed = True
+        if all(p.exitcode is None for p in self.workers) and self.workers:
+            try:
+                self._broadcast.write(self._encoder.encode(WorkerCall("shutdown")), timeout=1.0)
+            except (TimeoutError, OSError):
+                pass
+        for proc in self.workers:
+            proc.join(timeout=5)
+        for proc in self.workers:
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        for ring in self._responses:
+            ring.close()
+        self._broadcast.close()
+        for name in self._response_names:  # a worker killed hard could not unlink its own
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
+        self._ctx.term()

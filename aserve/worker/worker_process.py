@@ -1,0 +1,122 @@
+"""A worker process: one rank of one engine's tensor-parallel group (DESIGN §3, §6).
+
+Start-up: attach to the engine core's broadcast ring, create this rank's response ring,
+join the TP process group (gloo on CPU), load this rank's shard and KV cache, then tell
+the executor it is ready through the response ring. After that the process only
+dequeues calls from the ring and runs them; every rank runs every call, and only the
+call's ``output_rank`` writes the reply. The worker unlinks its response ring on every
+exit path, and exits when its parent does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from aserve.config import EngineConfig
+from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
+from aserve.distributed.tp_group import TPGroup
+from aserve.executor.messages import CALL_DECODER, WorkerCall, WorkerReply
+from aserve.launch.process_utils import available_cores, exit_with_parent, set_process_title
+
+logger = logging.getLogger("aserve.worker")
+
+
+@dataclass(frozen=True)
+class WorkerProcConfig:
+    engine: EngineConfig  # fitted
+    rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    broadcast_name: str
+    broadcast_side: str
+    response_name: str
+    response_side: str
+    dist_init_file: str
+    max_chunks: int
+    max_chunk_bytes: int
+
+
+def worker_title(cfg: WorkerProcConfig) -> str:
+    return f"aserve::worker_dp{cfg.dp_rank}_tp{cfg.rank}" if cfg.dp_size > 1 else f"aserve::worker_tp{cfg.rank}"
+
+
+def run_worker(cfg: WorkerProcConfig) -> None:
+    """Process entry point (a ``spawn`` target)."""
+    set_process_title(worker_title(cfg))
+    exit_with_parent()
+    logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    import torch
+
+    torch.set_num_threads(max(1, available_cores() // cfg.tp_size))
+    ctx = zmq.Context()
+    broadcast = response = None
+    code = 0
+    try:
+        broadcast = ShmRingReader(cfg.broadcast_name, cfg.rank, cfg.tp_size, side_channel_address=cfg.broadcast_side,
+                                  zmq_context=ctx, max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
+        response = ShmRingWriter(cfg.response_name, 1, side_channel_address=cfg.response_side, zmq_context=ctx,
+                                 max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
+        _serve(cfg, broadcast, response)
+    except KeyboardInterrupt:
+        pass
+    except BaseException:
+        logger.exception("worker %s failed", worker_title(cfg))
+        code = 1
+    finally:
+        if broadcast is not None:
+            broadcast.close()
+        if response is not None:
+            response.close()
+        ctx.term()
+    sys.exit(code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter) -> None:
+    import signal
+
+    import torch.distributed as dist
+
+    from aserve.worker.worker import Worker
+
+    # SIGTERM (from the parent, or parent death) ends the blocking loop by exception.
+    signal.signal(signal.SIGTERM, _interrupt)
+    tp = TPGroup.single()
+    if cfg.tp_size > 1:
+        dist.init_process_group("gloo", init_method=f"file://{cfg.dist_init_file}", rank=cfg.rank,
+                                world_size=cfg.tp_size)
+        tp = TPGroup(cfg.rank, cfg.tp_size, dist.group.WORLD)
+    worker = Worker(cfg.engine, tp)
+    encoder = msgspec.msgpack.Encoder()
+    response.wait_for_readers(timeout=300)
+    response.write(encoder.encode(WorkerReply(ok=True)))
+    methods = {"execute_model": worker.execute_model}
+    try:
+        while True:
+            call: WorkerCall = CALL_DECODER.decode(broadcast.read())
+            if call.method == "shutdown":
+                return
+            try:
+                output = methods[call.method](call.sched)
+                reply = WorkerReply(ok=True, output=output)
+            except Exception as exc:
+                logger.exception("%s failed", call.method)
+                reply = WorkerReply(ok=False, error=f"{type(exc).__name__}: {exc}")
+            if cfg.rank == call.output_rank:
+                response.write(encoder.encode(reply))
+            if not reply.ok:
+                raise RuntimeError(reply.error)
+    finally:
+        if cfg.tp_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

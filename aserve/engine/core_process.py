@@ -22,7 +22,6 @@ import gc
 import logging
 import os
 import queue
-import shutil
 import signal
 import sys
 import time
@@ -38,7 +37,13 @@ import zmq
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore, fit_config
 from aserve.errors import AserveError
-from aserve.launch.process_utils import exit_with_parent, set_process_title
+from aserve.launch.process_utils import (
+    cleanup_instance,
+    exit_with_parent,
+    ignore_termination,
+    interrupt_on_termination,
+    set_process_title,
+)
 from aserve.wire.codec import ENGINE_CORE_DEAD, EngineReady, OutputsEncoder, RequestDecoder, RequestType, WireError
 from aserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
 from aserve.wire.zmq_anyio import AsyncSocket
@@ -66,6 +71,7 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     """Process entry point (a ``spawn`` target)."""
     parent = os.getppid()
     set_process_title(f"aserve::engine_core_{cfg.engine_index}")
+    interrupt_on_termination()  # until the busy loop exists: interrupts start-up, cleanly
     exit_with_parent()
     logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
@@ -78,8 +84,9 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
         logger.exception("engine core %d failed", cfg.engine_index)
         code = 1
     finally:
-        if os.getppid() != parent:  # orphaned: nobody else will remove the IPC files
-            shutil.rmtree(cfg.instance_dir, ignore_errors=True)
+        ignore_termination()
+        if os.getppid() != parent:  # orphaned: nobody else will remove this instance's files
+            cleanup_instance(cfg.instance_id, cfg.instance_dir)
     sys.exit(code)
 
 
@@ -235,17 +242,18 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
                     # copy=True: zmq copies the bytes, so the encoder may reuse its buffer.
                     await pushes[client].send_multipart([encoder.encode(outputs)], copy=True)
 
-        async def signal_task(scope: anyio.CancelScope) -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    loop.inputs.put(_Shutdown())
-                    return
+        # SIGTERM/SIGINT (from the parent, or the kernel when the parent dies, possibly
+        # more than once) ask the busy loop to stop; cleanup then runs to the end.
+        def request_shutdown(signum: int, frame: object) -> None:
+            loop.inputs.put(_Shutdown())
+
+        signal.signal(signal.SIGTERM, request_shutdown)
+        signal.signal(signal.SIGINT, request_shutdown)
 
         async with anyio.create_task_group() as tg:
             for client, dealer in enumerate(dealers):
                 tg.start_soon(input_task, dealer, client)
             tg.start_soon(output_task)
-            tg.start_soon(signal_task, tg.cancel_scope)
             try:
                 await anyio.to_thread.run_sync(loop.run, abandon_on_cancel=True)
             finally:
@@ -253,6 +261,7 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
             tg.cancel_scope.cancel()
         failed = False
     finally:
+        ignore_termination()  # a second SIGTERM must not cut the cleanup short
         if failed:
             for push in pushes:
                 try:

@@ -21,13 +21,10 @@ Contracts:
 
 from __future__ import annotations
 
-import glob
 import itertools
 import logging
 import math
 import multiprocessing as mp
-import os
-import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -45,6 +42,7 @@ from aserve.engine.engine_core import fit_config
 from aserve.errors import EngineDeadError, InvalidInputError
 from aserve.frontend.input_processor import InputProcessor, PromptType
 from aserve.frontend.llm import resolve_model_path
+from aserve.launch.process_utils import cleanup_instance
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
@@ -300,12 +298,3 @@ class AsyncLLM:
             raise RuntimeError(f"engine utility {method} failed: {result.error}")
         return result.result
 
-
-def cleanup_instance(instance_id: str, instance_dir: str) -> None:
-    """Remove every shared-memory segment and IPC file of one server instance."""
-    for path in glob.glob(f"/dev/shm/{instance_id}_*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    shutil.rmtree(instance_dir, ignore_errors=True)

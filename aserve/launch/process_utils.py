@@ -33,6 +33,38 @@ def exit_with_parent(sig: int = signal.SIGTERM) -> None:
         os._exit(1)
 
 
+def interrupt_on_termination() -> None:
+    """Turn the first SIGTERM/SIGINT into KeyboardInterrupt and ignore any after it, so
+    the cleanup that the interrupt unwinds through is not cut short."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        ignore_termination()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+
+def ignore_termination() -> None:
+    """From here on SIGTERM/SIGINT are ignored: call it before cleanup that must finish
+    (unlinking shared memory). A parent that dies can deliver SIGTERM more than once."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def cleanup_instance(instance_id: str, instance_dir: str) -> None:
+    """Remove every shared-memory segment and IPC file of one server instance."""
+    import glob
+    import shutil
+
+    for path in glob.glob(f"/dev/shm/{instance_id}_*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(instance_dir, ignore_errors=True)
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

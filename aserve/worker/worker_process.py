@@ -22,7 +22,13 @@ from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from aserve.distributed.tp_group import TPGroup
 from aserve.executor.messages import CALL_DECODER, WorkerCall, WorkerReply
-from aserve.launch.process_utils import available_cores, exit_with_parent, set_process_title
+from aserve.launch.process_utils import (
+    available_cores,
+    exit_with_parent,
+    ignore_termination,
+    interrupt_on_termination,
+    set_process_title,
+)
 
 logger = logging.getLogger("aserve.worker")
 
@@ -50,6 +56,7 @@ def worker_title(cfg: WorkerProcConfig) -> str:
 def run_worker(cfg: WorkerProcConfig) -> None:
     """Process entry point (a ``spawn`` target)."""
     set_process_title(worker_title(cfg))
+    interrupt_on_termination()
     exit_with_parent()
     logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
@@ -71,6 +78,7 @@ def run_worker(cfg: WorkerProcConfig) -> None:
         logger.exception("worker %s failed", worker_title(cfg))
         code = 1
     finally:
+        ignore_termination()
         if broadcast is not None:
             broadcast.close()
         if response is not None:
@@ -79,19 +87,11 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     sys.exit(code)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter) -> None:
-    import signal
-
     import torch.distributed as dist
 
     from aserve.worker.worker import Worker
 
-    # SIGTERM (from the parent, or parent death) ends the blocking loop by exception.
-    signal.signal(signal.SIGTERM, _interrupt)
     tp = TPGroup.single()
     if cfg.tp_size > 1:
         dist.init_process_group("gloo", init_method=f"file://{cfg.dist_init_file}", rank=cfg.rank,

@@ -106,3 +106,19 @@ def test_half_precision_logprobs_close_to_float32_reference(dtype, llama_dir, re
     errors = [abs(entry[prompts[1][pos]].logprob - float(ref[pos - 1, prompts[1][pos]]))
               for pos, entry in enumerate(out.prompt_logprobs[1:], start=1)]
     assert max(errors) < 0.1
+
+
+@pytest.mark.parametrize("arch", sorted(VARIANTS))
+def test_tensor_parallel_2_matches_transformers(arch, model_dirs, references):
+    # Covers vocabulary-parallel embedding and LM head (tied or not), sharded biases,
+    # q/k norm, and KV heads replicated when TP exceeds them (qwen2 has one KV head).
+    prompts, expected, _ = references[arch]
+    with LLM(str(model_dirs[arch]), kv_cache_memory=1 << 24, tensor_parallel_size=2, max_num_batched_tokens=32) as llm:
+        outputs = llm.generate(prompts, GREEDY)
+        instance_id, instance_dir = llm._instance
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    import os
+    from pathlib import Path
+
+    assert not list(Path("/dev/shm").glob(f"{instance_id}_*"))
+    assert not os.path.exists(instance_dir)

@@ -7,11 +7,20 @@
 ``generate`` validates every prompt and parameter before queuing any, so a bad input
 raises a typed ``InvalidInputError`` and the object stays usable; an exception while
 stepping aborts that call's requests before it propagates.
+
+At ``tensor_parallel_size`` 1 the model runs in the caller's process. Above it, one
+worker process per rank runs it (as in the server); ``shutdown()`` (or leaving a
+``with LLM(...)`` block, or garbage collection) stops them and removes their shared
+memory. Scripts that use TP > 1 need the ``if __name__ == "__main__":`` guard, since
+workers are started with ``spawn``.
 """
 
 from __future__ import annotations
 
 import itertools
+import tempfile
+import uuid
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,8 +30,10 @@ from aserve.engine.engine_core import EngineCore, fit_config
 from aserve.envs import read_env
 from aserve.errors import InvalidInputError
 from aserve.executor.in_process import InProcessExecutor
+from aserve.executor.multiproc import MultiprocExecutor
 from aserve.frontend.input_processor import InputProcessor, PromptType
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
+from aserve.launch.process_utils import cleanup_instance
 from aserve.model_builder import ensure_default_model
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
@@ -62,12 +73,29 @@ class LLM:
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
-        if tensor_parallel_size != 1:
-            raise InvalidInputError("tensor_parallel_size > 1 needs the multi-process executor, not available yet",
-                                    param="tensor_parallel_size")
         fitted = fit_config(config)
         self.tokenizer = Tokenizer(Path(config.model.model))
-        self.engine = EngineCore(fitted, InProcessExecutor)
+        self._instance: tuple[str, str] | None = None
+        if tensor_parallel_size == 1:
+            executor_factory = InProcessExecutor
+        else:
+            # Workers in their own processes, over the same rings as the server; this
+            # object owns their shared memory and IPC files.
+            instance_id = f"aserve_{uuid.uuid4().hex[:12]}"
+            instance_dir = tempfile.mkdtemp(prefix=f"{instance_id}-")
+            self._instance = (instance_id, instance_dir)
+            self._finalizer = weakref.finalize(self, _shutdown, None, instance_id, instance_dir)
+
+            def executor_factory(cfg: EngineConfig) -> MultiprocExecutor:
+                return MultiprocExecutor(cfg, instance_dir=instance_dir, instance_id=instance_id)
+        try:
+            self.engine = EngineCore(fitted, executor_factory)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self._instance is not None:
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _shutdown, self.engine, *self._instance)
         self.config = self.engine.config
         arch = fitted.arch
         eos = arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
@@ -75,6 +103,18 @@ class LLM:
             self.tokenizer, max_model_len=self.config.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos
         )
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop worker processes and remove their shared memory (TP > 1); idempotent.
+        Also runs when the object is garbage-collected or the interpreter exits."""
+        if self._instance is not None:
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -157,6 +197,12 @@ class LLM:
             if processor.requests:  # interrupted: leave the engine clean for the next call
                 self.engine.abort_requests(engine_ids)
         return [results[request_id] for request_id in order]
+
+
+def _shutdown(engine: EngineCore | None, instance_id: str, instance_dir: str) -> None:
+    if engine is not None:
+        engine.shutdown()
+    cleanup_instance(instance_id, instance_dir)
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -21,11 +21,17 @@ flag. (x86 keeps stores in order and loads in order, which is all this needs.)
 A payload larger than a chunk goes through a ZeroMQ XPUB/SUB side channel, with a
 marker in the chunk so readers take messages in order from the ring.
 
-Waiting: spin with ``sched_yield`` for a short while (messages arrive microseconds
-apart during generation), then sleep with a growing back-off capped at a few
-milliseconds, so an idle server costs no CPU. A wait past its timeout raises
-``TimeoutError``; a writer blocked for ``warn_after`` seconds logs which readers have
-not caught up.
+Waiting, in three stages: spin with ``sched_yield`` for 0.2 ms (during generation
+messages arrive microseconds to milliseconds apart), then sleep with a growing
+back-off up to 1 ms, then, after ``DEEP_SLEEP_AFTER`` (50 ms) of waiting, block on the
+side channel's socket with no CPU use at all. A writer whose previous write is more
+than ``WAKE_AFTER`` (20 ms) old also sends a one-frame wake-up on the side channel:
+any reader asleep that deeply has waited at least 50 ms since its last message, so
+the writer's gap is at least that long and the wake-up always reaches it. An idle
+server thus costs about one wake-up a second per process (on this VM each wake-up
+is charged about 0.5 ms of CPU, so their number, not their work, sets idle CPU). A wait past its timeout
+raises ``TimeoutError``; a writer blocked for ``warn_after`` seconds logs which
+readers have not caught up.
 
 The writer creates the segment and unlinks it in ``close()``; readers only attach.
 Nothing read from the ring is unpickled: payloads are bytes (msgspec on both sides).
@@ -33,6 +39,7 @@ Nothing read from the ring is unpickled: payloads are bytes (msgspec on both sid
 
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -50,7 +57,11 @@ _HEADER = struct.Struct("<BI")  # kind, length
 _INLINE, _SIDE = 0, 1
 
 SPIN_SECONDS = 2e-4  # yield-spin this long before sleeping
-MAX_SLEEP_SECONDS = 5e-3  # longest back-off sleep: bounds idle CPU and wake-up latency
+MAX_SLEEP_SECONDS = 1e-3  # longest back-off sleep before the deep sleep
+DEEP_SLEEP_AFTER = 0.05  # readers then block on the side channel
+WAKE_AFTER = 0.02  # a write after this long an idle gap also sends a wake-up
+DEEP_POLL_MS = 1000  # a deep-sleeping reader still looks at the ring this often (a safety net)
+_DATA, _WAKE = b"D", b"W"
 
 
 class RingClosedError(RuntimeError):
@@ -58,8 +69,11 @@ class RingClosedError(RuntimeError):
 
 
 def _wait(ready: Callable[[], bool], deadline: float | None, on_slow: Callable[[float], None] | None = None,
-          warn_after: float = 60.0) -> None:
-    """Return once ``ready()``; TimeoutError at ``deadline`` (a ``time.monotonic`` value)."""
+          warn_after: float = 60.0, deep_sleep: Callable[[float], None] | None = None) -> None:
+    """Return once ``ready()``; TimeoutError at ``deadline`` (a ``time.monotonic`` value).
+
+    ``deep_sleep(seconds)`` blocks until woken or the time passes; without it the
+    back-off sleeps go on."""
     if ready():
         return
     start = time.monotonic()
@@ -70,6 +84,7 @@ def _wait(ready: Callable[[], bool], deadline: float | None, on_slow: Callable[[
             return
     sleep = 1e-5
     next_warning = start + warn_after
+    deep_from = start + DEEP_SLEEP_AFTER
     while not ready():
         now = time.monotonic()
         if deadline is not None and now >= deadline:
@@ -77,6 +92,10 @@ def _wait(ready: Callable[[], bool], deadline: float | None, on_slow: Callable[[
         if on_slow is not None and now >= next_warning:
             on_slow(now - start)
             next_warning = now + warn_after
+        if deep_sleep is not None and now >= deep_from:
+            limit = DEEP_POLL_MS / 1000 if deadline is None else min(DEEP_POLL_MS / 1000, deadline - now)
+            deep_sleep(max(limit, 0.0))
+            continue
         time.sleep(sleep)
         sleep = min(sleep * 2, MAX_SLEEP_SECONDS)
 
@@ -139,6 +158,7 @@ class ShmRingWriter:
         self._index = 0
         self._warn_after = warn_after
         self._closed = False
+        self._last_write = time.monotonic()
 
     def wait_for_readers(self, timeout: float) -> None:
         """Block until every reader has subscribed to the side channel."""
@@ -179,10 +199,14 @@ class ShmRingWriter:
             buf[start + _HEADER.size : start + _HEADER.size + len(payload)] = payload
         else:
             _HEADER.pack_into(buf, start, _SIDE, len(payload))
-            self._side.send(payload, copy=False)
+            self._side.send_multipart([_DATA, payload], copy=False)
         buf[meta + 1 : meta + 1 + layout.n_readers] = bytes(layout.n_readers)
         buf[meta] = 1
         self._index = (self._index + 1) % layout.max_chunks
+        now = time.monotonic()
+        if now - self._last_write > WAKE_AFTER:
+            self._side.send(_WAKE)
+        self._last_write = now
 
     def close(self) -> None:
         """Close the side channel and unmap and unlink the segment (idempotent)."""
@@ -214,6 +238,28 @@ class ShmRingReader:
         self._side.setsockopt(zmq.SUBSCRIBE, b"")
         self._side.connect(side_channel_address)
         self._index = 0
+        self._stashed: collections.deque[bytes] = collections.deque()  # side payloads read early
+
+    def _deep_sleep(self, seconds: float) -> None:
+        """Block on the side channel until a message (a wake-up or a payload) or timeout."""
+        if self._side.poll(int(seconds * 1000), zmq.POLLIN):
+            self._drain_side()
+
+    def _drain_side(self) -> None:
+        while True:
+            try:
+                frames = self._side.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frames[0] == _DATA:
+                self._stashed.append(frames[1])
+
+    def _side_payload(self) -> bytes:
+        while not self._stashed:
+            frames = self._side.recv_multipart()
+            if frames[0] == _DATA:
+                return frames[1]
+        return self._stashed.popleft()
 
     def read(self, timeout: float | None = None) -> bytes:
         """The next message; waits for it (TimeoutError after ``timeout`` seconds)."""
@@ -221,13 +267,14 @@ class ShmRingReader:
         layout = self.layout
         meta = layout.meta(self._index)
         flag = meta + 1 + self.rank
-        _wait(lambda: buf[meta] == 1 and not buf[flag], None if timeout is None else time.monotonic() + timeout)
+        _wait(lambda: buf[meta] == 1 and not buf[flag], None if timeout is None else time.monotonic() + timeout,
+              deep_sleep=self._deep_sleep)
         start = layout.chunk(self._index)
         kind, length = _HEADER.unpack_from(buf, start)
         if kind == _INLINE:
             payload = bytes(buf[start + _HEADER.size : start + _HEADER.size + length])
         else:
-            payload = self._side.recv()
+            payload = self._side_payload()
         buf[flag] = 1
         self._index = (self._index + 1) % layout.max_chunks
         return payload

@@ -86,6 +86,8 @@ async def test_greedy_matches_transformers(llama_dir, expected, tp):
         instance = (llm.instance_id, llm.instance_dir)
         pids = [llm.engine_process.pid, *tree(llm.engine_process.pid)]
         assert len(pids) == 1 + tp  # the engine core and one worker per rank
+        titles = sorted(Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in pids)
+        assert titles == ["aserve::engine_core_0", *[f"aserve::worker_tp{r}" for r in range(tp)]]
     assert leftovers(*instance) == []
     assert not any(alive(p) for p in pids)
 

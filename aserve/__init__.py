@@ -9,6 +9,7 @@ from aserve.errors import (
     InvalidInputError,
     ModelLoadError,
 )
+from aserve.frontend.async_llm import AsyncLLM
 from aserve.frontend.llm import LLM
 from aserve.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = sorted([
     "AserveError",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineDeadError",
     "InvalidInputError",

@@ -130,3 +130,26 @@ def test_message_larger_than_a_chunk(ring_names):
         reader.close()
         writer.close()
         ctx.term()
+
+
+def test_blocked_writer_names_the_reader_behind(ring_names, caplog):
+    ctx = zmq.Context()
+    writer = ShmRingWriter(ring_names[0], 2, side_channel_address=ring_names[1], zmq_context=ctx,
+                           max_chunks=1, max_chunk_bytes=CHUNK_BYTES, warn_after=0.05)
+    fast = ShmRingReader(ring_names[0], 0, 2, side_channel_address=ring_names[1], zmq_context=ctx,
+                         max_chunks=1, max_chunk_bytes=CHUNK_BYTES)
+    slow = ShmRingReader(ring_names[0], 1, 2, side_channel_address=ring_names[1], zmq_context=ctx,
+                         max_chunks=1, max_chunk_bytes=CHUNK_BYTES)
+    writer.wait_for_readers(timeout=10)
+    try:
+        writer.write(b"one")
+        assert fast.read(timeout=1) == b"one"
+        with caplog.at_level("WARNING", logger="aserve.distributed.shm_ring"):
+            with pytest.raises(TimeoutError):
+                writer.write(b"two", timeout=0.3)
+        assert "readers [1] have not read chunk 0" in caplog.text
+    finally:
+        fast.close()
+        slow.close()
+        writer.close()
+        ctx.term()

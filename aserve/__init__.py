@@ -16,7 +16,7 @@ from aserve.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = sorted([
+__all__ = [
     "AserveError",
     "AsyncLLM",
     "CompletionOutput",
@@ -28,4 +28,4 @@ __all__ = sorted([
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
-])
+]

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import statistics
 import struct
 import tempfile
 import time

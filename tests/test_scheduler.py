@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aserve.config import SchedulerConfig
 from aserve.engine.kv_cache_manager import KVCacheManager
-from aserve.engine.request import Request, RequestStatus
+from aserve.engine.request import Request
 from aserve.engine.scheduler import RunnerOutput, Scheduler
 from aserve.sampling_params import SamplingParams
 from aserve.wire.messages import EngineCoreRequest, FinishReason
@@ -89,7 +89,7 @@ def test_min_tokens_defers_stops():
 
 def test_preemption_frees_the_latest_and_resumes_it_with_its_tokens():
     sched = make_scheduler(blocks=7, block_size=4)  # 6 usable blocks
-    a = add(sched, "a", 8, arrival=1.0, max_tokens=20, ignore_eos=True)
+    add(sched, "a", 8, arrival=1.0, max_tokens=20, ignore_eos=True)
     b = add(sched, "b", 8, arrival=2.0, max_tokens=20, ignore_eos=True)
     run_step(sched)  # both prefilled: 4 blocks
     for _ in range(4):

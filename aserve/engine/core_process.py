@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import msgspec
 import zmq
 
 from aserve.config import EngineConfig
@@ -151,10 +152,9 @@ class _BusyLoop:
         elif kind == "utility":
             _, call = item
             try:
-                result = getattr(self.core, call.method)(*call.args) if call.method in UTILITY_METHODS else None
                 if call.method not in UTILITY_METHODS:
                     raise AserveError(f"unknown utility method {call.method!r}")
-                reply = UtilityOutput(call.call_id, result)
+                reply = UtilityOutput(call.call_id, getattr(self.core, call.method)(*call.args))
             except Exception as exc:  # the caller gets the error; the engine goes on
                 reply = UtilityOutput(call.call_id, None, f"{type(exc).__name__}: {exc}")
             self._emit(call.client_index, EngineCoreOutputs(self.engine_index, utility_output=reply))
@@ -201,8 +201,6 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
             pushes.append(AsyncSocket(sock))
         ready = EngineReady(cfg.engine_index, core.config.max_model_len, core.config.cache.num_blocks or 0,
                             core.config.cache.block_size, core.kv_capacity_tokens)
-        import msgspec
-
         ready_body = msgspec.msgpack.encode(ready)
         for dealer in dealers:
             await dealer.send_multipart([READY_FRAME, ready_body])

@@ -47,7 +47,15 @@ from aserve.frontend.output_processor import OutputProcessor, RequestState, chil
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 from aserve.tokenizer import Tokenizer
-from aserve.wire.codec import ENGINE_CORE_DEAD, EngineReady, RequestEncoder, RequestType, UtilityRequest, decode_outputs
+from aserve.wire.codec import (
+    ENGINE_CORE_DEAD,
+    EngineReady,
+    RequestEncoder,
+    RequestType,
+    UtilityRequest,
+    WireError,
+    decode_outputs,
+)
 from aserve.wire.zmq_anyio import AsyncSocket
 
 logger = logging.getLogger("aserve.async_llm")
@@ -174,7 +182,11 @@ class AsyncLLM:
             if frames[0] == ENGINE_CORE_DEAD:
                 self._fail(EngineDeadError("the engine core failed (ENGINE_CORE_DEAD)"))
                 return
-            outputs = decode_outputs(frames[0])
+            try:
+                outputs = decode_outputs(frames[0])
+            except WireError as exc:
+                logger.warning("dropped a malformed message from the engine: %s", exc)
+                continue
             if outputs.utility_output is not None:
                 entry = self._pending_calls.pop(outputs.utility_output.call_id, None)
                 if entry is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from aserve.config import EngineConfig
 from aserve.distributed.tp_group import TPGroup

@@ -35,6 +35,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+
+    run = sub.add_parser("run", help="serve a model over the OpenAI HTTP API",
+                         description="Serve MODEL (a Hugging Face-format directory; the embedded default model when "
+                                     "omitted) over the OpenAI HTTP API.")
+    run.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
+    run.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
+    run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    run.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    run.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    run.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    run.add_argument("--dtype", default="auto", choices=DTYPES, help="weight and activation dtype")
+    run.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output)")
+    run.add_argument("--max-num-seqs", type=int, default=256, help="requests in one step")
+    run.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    run.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator")
+    run.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
+    run.add_argument("--ssl-certfile", default=None, help="TLS certificate (enables HTTPS with HTTP/2 by ALPN)")
+    run.add_argument("--ssl-keyfile", default=None, help="TLS private key")
+    run.add_argument("--loop", choices=("asyncio", "uvloop", "trio"), default="asyncio", help="event loop (default asyncio)")
+    run.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
 
@@ -57,11 +79,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from aserve.api.server import ApiServerConfig
+    from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
+    from aserve.frontend.llm import resolve_model_path
+    from aserve.launch.supervisor import model_name, run_server
+
+    if args.model is None:
+        print("aserve: serving the embedded default model (random weights: its output is nonsense)", file=sys.stderr)
+    model = resolve_model_path(args.model)
+    engine_kwargs = dict(
+        model=model, tensor_parallel_size=args.tp, dtype=args.dtype, max_model_len=args.max_model_len,
+        seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    cfg = ApiServerConfig(
+        engine_kwargs=engine_kwargs, served_model_name=args.served_model_name or model_name(args.model),
+        api_key=args.api_key, loop=args.loop, shutdown_timeout=args.shutdown_timeout,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, log_level=args.log_level,
+    )
+    return run_server(cfg, args.host, args.port)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "run":
+            return _run(args)
     except AserveError as exc:
         print(f"aserve: error: {exc}", file=sys.stderr)
         return 2

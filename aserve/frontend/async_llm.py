@@ -115,6 +115,7 @@ class AsyncLLM:
         pull.setsockopt(zmq.LINGER, 0)
         pull.bind(f"ipc://{self.instance_dir}/output")
         self._router, self._pull = AsyncSocket(router), AsyncSocket(pull)
+        self.dead_event = anyio.Event()  # set when the engine dies or is shut down
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -153,8 +154,16 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._stopping = True
-        self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
+        try:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            # Shielded: stopping the processes and removing their files must finish
+            # even when the caller is being cancelled.
+            with anyio.CancelScope(shield=True):
+                await self._stop_processes()
+
+    async def _stop_processes(self) -> None:
         proc = self.engine_process
         if proc is not None and proc.exitcode is None:
             proc.terminate()
@@ -205,6 +214,7 @@ class AsyncLLM:
     def _fail(self, error: EngineDeadError) -> None:
         if self._dead is None:
             self._dead = error
+            self.dead_event.set()
         for stream in list(self._streams.values()):
             try:
                 stream.send_nowait(error)
@@ -219,6 +229,14 @@ class AsyncLLM:
         self._router.send_nowait([self._engine_identity, *self._encoder.encode(kind, body)])
 
     # -- public API -----------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.input_processor.max_model_len
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -1,0 +1,129 @@
+"""The API-server process: an ``AsyncLLM``, the Starlette app, and Hypercorn on the
+listening socket the supervisor bound.
+
+Shutdown (SIGTERM/SIGINT): ``/ready`` turns 503 and new requests get 503 at once;
+requests in flight may finish until ``shutdown_timeout``; then Hypercorn stops, which
+cancels what is left (aborting it in the engine), and the engine processes are stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from aserve.api.app import ServerState, build_app
+from aserve.launch.process_utils import exit_with_parent, set_process_title
+
+logger = logging.getLogger("aserve.api_server")
+
+
+@dataclass(frozen=True)
+class ApiServerConfig:
+    engine_kwargs: dict[str, Any]
+    served_model_name: str
+    api_key: str | None
+    loop: str  # asyncio | uvloop | trio
+    shutdown_timeout: float
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    index: int = 0
+    log_level: str = "INFO"
+
+
+class _InFlight:
+    """Counts HTTP requests in progress, so a drain can wait for zero."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.count = 0
+        self.idle = anyio.Event()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self.idle.set()
+
+
+async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
+    from hypercorn.config import Config
+
+    from aserve.frontend.async_llm import AsyncLLM
+
+    async with AsyncLLM(**cfg.engine_kwargs) as engine:
+        state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
+        app = _InFlight(build_app(state))
+        config = Config()
+        config.bind = [f"fd://{sock.fileno()}"]
+        config.graceful_timeout = cfg.shutdown_timeout
+        config.accesslog = None
+        config.loglevel = cfg.log_level
+        if cfg.ssl_certfile:
+            config.certfile, config.keyfile = cfg.ssl_certfile, cfg.ssl_keyfile
+            config.alpn_protocols = ["h2", "http/1.1"]
+        stop_server = anyio.Event()
+
+        async def drain_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            logger.info("draining: waiting up to %.0f s for %d request(s)", cfg.shutdown_timeout, app.count)
+            state.draining = True
+            with anyio.move_on_after(cfg.shutdown_timeout):
+                while app.count:
+                    app.idle = anyio.Event()
+                    await app.idle.wait()
+            stop_server.set()
+
+        async def watch_engine() -> None:
+            # By default the whole server goes down with its engine.
+            await engine.dead_event.wait()
+            logger.error("the engine died; shutting down")
+            stop_server.set()
+
+        if cfg.loop == "trio":
+            from hypercorn.trio import serve as hypercorn_serve
+        else:
+            from hypercorn.asyncio import serve as hypercorn_serve
+        async def run_http(scope: anyio.CancelScope) -> None:
+            # In a task of its own: Hypercorn's asyncio server cancels tasks with plain
+            # asyncio calls, which must not reach the task that owns the engine.
+            await hypercorn_serve(app, config, shutdown_trigger=stop_server.wait)
+            logger.info("the HTTP server stopped")
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drain_on_signal)
+            tg.start_soon(watch_engine)
+            logger.info("serving on %s", sock.getsockname())
+            tg.start_soon(run_http, tg.cancel_scope)
+        if engine.is_dead:
+            raise SystemExit(1)
+
+
+def run_api_server(cfg: ApiServerConfig, sock: socket.socket) -> None:
+    """Process entry point (a ``spawn`` target); ``sock`` is already listening."""
+    set_process_title(f"aserve::api_server_{cfg.index}")
+    exit_with_parent()
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    backend = "trio" if cfg.loop == "trio" else "asyncio"
+    options = {"use_uvloop": True} if cfg.loop == "uvloop" else {}
+    try:
+        anyio.run(serve, cfg, sock, backend=backend, backend_options=options)
+    except SystemExit as exc:
+        sys.exit(exc.code)
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)

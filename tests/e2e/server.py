@@ -1,0 +1,78 @@
+"""Start ``aserve run`` as a subprocess on a free port and wait until it is ready."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+class Server:
+    def __init__(self, model: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "aserve", "run", str(model), "--port", "0", "--kv-cache-memory", str(1 << 24),
+               "--max-model-len", "256", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.log: list[str] = []
+        self.base_url = ""
+        while not self.base_url:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("aserve run exited:\n" + "".join(self.log))
+            self.log.append(line)
+            match = re.search(r"at (https?://\S+)/v1", line)
+            if match:
+                self.base_url = match.group(1)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base_url + "/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("aserve run exited while starting")
+            time.sleep(0.2)  # a readiness probe, as Kubernetes would poll it
+        raise TimeoutError("aserve run did not become ready")
+
+    def pids(self) -> list[int]:
+        def tree(pid: int) -> list[int]:
+            try:
+                kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            except FileNotFoundError:
+                return []
+            return [k for c in kids for k in (c, *tree(c))]
+
+        return [self.proc.pid, *tree(self.proc.pid)]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+        return code
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def aserve_shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("aserve_*")}

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 from aserve.api.app import ServerState, build_app
-from aserve.launch.process_utils import exit_with_parent, set_process_title
+from aserve.launch.process_utils import exit_with_parent, ignore_termination, set_process_title
 
 logger = logging.getLogger("aserve.api_server")
 
@@ -79,6 +79,7 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     break
+            ignore_termination()  # one drain: a second signal must not cut it (or the cleanup) short
             logger.info("draining: waiting up to %.0f s for %d request(s)", cfg.shutdown_timeout, app.count)
             state.draining = True
             with anyio.move_on_after(cfg.shutdown_timeout):

@@ -37,7 +37,7 @@ import zmq
 
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore, fit_config
-from aserve.errors import AserveError
+from aserve.errors import AserveError, EngineDeadError
 from aserve.launch.process_utils import (
     cleanup_instance,
     exit_with_parent,
@@ -181,6 +181,7 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
     ctx = zmq.Context()
     dealers: list[AsyncSocket] = []
     pushes: list[AsyncSocket] = []
+    loop: _BusyLoop | None = None
     failed = True
     try:
         # Everything allocated so far lives as long as the process: keep the collector
@@ -248,10 +249,18 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
         signal.signal(signal.SIGTERM, request_shutdown)
         signal.signal(signal.SIGINT, request_shutdown)
 
+        async def watch_worker(rank: int, proc: Any) -> None:
+            # A worker that dies while the engine is idle is noticed here, not only at
+            # the next step: the engine core then fails as a unit.
+            await anyio.wait_readable(proc.sentinel)
+            raise EngineDeadError(f"worker tp{rank} exited with code {proc.exitcode}")
+
         async with anyio.create_task_group() as tg:
             for client, dealer in enumerate(dealers):
                 tg.start_soon(input_task, dealer, client)
             tg.start_soon(output_task)
+            for rank, proc in enumerate(getattr(core.executor, "workers", [])):
+                tg.start_soon(watch_worker, rank, proc)
             try:
                 await anyio.to_thread.run_sync(loop.run, abandon_on_cancel=True)
             finally:
@@ -260,6 +269,8 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
         failed = False
     finally:
         ignore_termination()  # a second SIGTERM must not cut the cleanup short
+        if failed and loop is not None:
+            loop.inputs.put(_Shutdown())  # release the busy loop's thread if it waits
         if failed:
             for push in pushes:
                 try:

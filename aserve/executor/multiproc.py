@@ -23,6 +23,7 @@ from aserve.engine.scheduler import RunnerOutput
 from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.errors import EngineDeadError
 from aserve.executor.messages import REPLY_DECODER, WorkerCall
+from aserve.launch.process_utils import skip_resource_tracker
 from aserve.worker.worker_process import WorkerProcConfig, run_worker
 
 logger = logging.getLogger("aserve.executor")
@@ -45,6 +46,7 @@ class MultiprocExecutor:
         self._responses: list[ShmRingReader] = []
         self.workers: list[mp.process.BaseProcess] = []
         self._closed = False
+        skip_resource_tracker()
         spawn = mp.get_context("spawn")
         try:
             for rank in range(self.tp_size):

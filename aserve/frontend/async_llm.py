@@ -42,7 +42,7 @@ from aserve.engine.engine_core import fit_config
 from aserve.errors import EngineDeadError, InvalidInputError
 from aserve.frontend.input_processor import InputProcessor, PromptType
 from aserve.frontend.llm import resolve_model_path
-from aserve.launch.process_utils import cleanup_instance
+from aserve.launch.process_utils import cleanup_instance, skip_resource_tracker
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
@@ -125,6 +125,7 @@ class AsyncLLM:
                 output_addresses=(f"ipc://{self.instance_dir}/output",),
                 instance_dir=self.instance_dir, instance_id=self.instance_id,
             )
+            skip_resource_tracker()
             self.engine_process = mp.get_context("spawn").Process(target=run_engine_core, args=(cfg,),
                                                                   name="engine_core_0")
             self.engine_process.start()

@@ -65,6 +65,22 @@ def cleanup_instance(instance_id: str, instance_dir: str) -> None:
     shutil.rmtree(instance_dir, ignore_errors=True)
 
 
+def skip_resource_tracker() -> None:
+    """Keep ``multiprocessing`` from starting its resource-tracker process.
+
+    ``spawn`` starts one per tree to clean up leaked semaphores and shared memory of
+    ``multiprocessing`` itself, which aserve does not use (it names and removes its own
+    segments). Without this, ``aserve run`` would have one more process than the
+    DESIGN's count. The tracker's pipe is pointed at /dev/null instead; children inherit it.
+    """
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is None:
+        tracker._fd = os.open(os.devnull, os.O_WRONLY)
+        tracker._pid = None
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

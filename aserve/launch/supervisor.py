@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from aserve.api.server import ApiServerConfig, run_api_server
-from aserve.launch.process_utils import set_process_title
+from aserve.launch.process_utils import set_process_title, skip_resource_tracker
 
 logger = logging.getLogger("aserve.supervisor")
 
@@ -34,6 +34,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def run_server(cfg: ApiServerConfig, host: str, port: int) -> int:
     """Run until the server stops; returns the exit status."""
     set_process_title("aserve::supervisor")
+    skip_resource_tracker()
     sock = bind_socket(host, port)
     scheme = "https" if cfg.ssl_certfile else "http"
     actual_port = sock.getsockname()[1]
@@ -48,9 +49,9 @@ def run_server(cfg: ApiServerConfig, host: str, port: int) -> int:
 
     def forward(signum: int, frame: object) -> None:
         nonlocal stopping
+        if not stopping and api.exitcode is None:
+            api.terminate()  # SIGTERM: the API server drains (once; it ignores repeats)
         stopping = True
-        if api.exitcode is None:
-            api.terminate()  # SIGTERM: the API server drains
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)

@@ -1,0 +1,80 @@
+"""``aserve run`` as a unit: a dead worker brings it down; SIGTERM drains it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.server import Server, alive, aserve_shm
+
+
+def test_kill_9_of_a_worker_fails_health_and_takes_the_tree_down(llama_dir):
+    before = aserve_shm()
+    server = Server(llama_dir)
+    pids = server.pids()
+    assert len(pids) == 4  # supervisor, API server, engine core, worker
+    try:
+        os.kill(pids[-1], signal.SIGKILL)  # the worker: the deepest process
+        start = time.monotonic()
+        status = 200
+        while status == 200 and time.monotonic() - start < 5:
+            try:
+                status = httpx.get(server.base_url + "/health", timeout=2).status_code
+            except httpx.TransportError:
+                status = -1  # already gone: the tree is going down as a unit
+        assert status != 200 and time.monotonic() - start < 5
+        code = server.proc.wait(30)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert code != 0
+    assert not any(alive(p) for p in pids)
+    assert aserve_shm() <= before
+
+
+def test_sigterm_drains_then_exits_0(llama_dir):
+    before = aserve_shm()
+    server = Server(llama_dir, "--shutdown-timeout", "30")
+    pids = server.pids()
+    result = {}
+
+    def long_request():
+        r = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 60, "ignore_eos": True})
+        result["status"] = r.status_code
+        result["body"] = r.json()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while "aserve:num_requests_running{" not in httpx.get(server.base_url + "/metrics").text or \
+                _running(server) < 1:
+            assert time.monotonic() < deadline
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while httpx.get(server.base_url + "/ready").status_code == 200:
+            assert time.monotonic() < deadline
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        worker.join(60)
+        assert result["status"] == 200
+        assert result["body"]["choices"][0]["finish_reason"] == "length"  # finished, not cut off
+        assert server.stop() == 0
+    finally:
+        if server.proc.poll() is None:
+            server.stop(signal.SIGKILL)
+    survivors = [(p, Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0]) for p in pids if alive(p)]
+    assert survivors == []
+    assert aserve_shm() <= before
+
+
+def _running(server) -> float:
+    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
+        if line.startswith("aserve:num_requests_running{"):
+            return float(line.split()[-1])
+    return 0.0

@@ -9,12 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 
 class Server:
-    def __init__(self, model: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: Path, *extra: str, env: dict[str, str] | None = None, verify: Any = True) -> None:
+        self.verify = verify
         cmd = [sys.executable, "-m", "aserve", "run", str(model), "--port", "0", "--kv-cache-memory", str(1 << 24),
                "--max-model-len", "256", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -35,7 +37,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.base_url + "/ready", timeout=5).status_code == 200:
+                if httpx.get(self.base_url + "/ready", timeout=5, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

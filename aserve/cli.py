@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
     run.add_argument("--ssl-certfile", default=None, help="TLS certificate (enables HTTPS with HTTP/2 by ALPN)")
     run.add_argument("--ssl-keyfile", default=None, help="TLS private key")
-    run.add_argument("--loop", choices=("asyncio", "uvloop", "trio"), default="asyncio", help="event loop (default asyncio)")
+    run.add_argument("--loop", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
+                     help="event loop (default auto: uvloop when installed, else asyncio)")
     run.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
@@ -93,9 +94,14 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    loop = args.loop
+    if loop == "auto":
+        import importlib.util
+
+        loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     cfg = ApiServerConfig(
         engine_kwargs=engine_kwargs, served_model_name=args.served_model_name or model_name(args.model),
-        api_key=args.api_key, loop=args.loop, shutdown_timeout=args.shutdown_timeout,
+        api_key=args.api_key, loop=loop, shutdown_timeout=args.shutdown_timeout,
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, log_level=args.log_level,
     )
     return run_server(cfg, args.host, args.port)

@@ -24,7 +24,7 @@ from starlette.routing import Route
 import aserve
 from aserve.api.metrics import Metrics
 from aserve.api.protocol import ChatCompletionRequest, CompletionRequest, RequestError, decode_body
-from aserve.api.responses import SSE_DONE, ComputedJSONResponse, EventStreamResponse, sse_event
+from aserve.api.responses import SSE_DONE, ComputedJSONResponse, EventStreamResponse, sse_event, unwrap_errors
 from aserve.errors import EngineDeadError, InvalidInputError
 from aserve.frontend.async_llm import AsyncLLM
 from aserve.outputs import CompletionOutput, PositionLogprobs
@@ -136,9 +136,10 @@ class _Handler:
                     metrics.e2e.labels(engine_label).observe(now - start)
                 await on_output(i, out)
 
-        async with anyio.create_task_group() as tg:
-            for i, (text, ids) in enumerate(tokenized):
-                tg.start_soon(one, i, text, ids)
+        with unwrap_errors():
+            async with anyio.create_task_group() as tg:
+                for i, (text, ids) in enumerate(tokenized):
+                    tg.start_soon(one, i, text, ids)
 
     def disconnected(self) -> None:
         self.state.metrics.client_disconnected.inc()

@@ -10,8 +10,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import contextlib
+from collections.abc import Iterator
+
 import anyio
 import msgspec
+
+from aserve.errors import AserveError, EngineDeadError
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -26,6 +31,19 @@ def sse_event(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+@contextlib.contextmanager
+def unwrap_errors() -> Iterator[None]:
+    """Re-raise an ``AserveError`` that a task group wrapped in an exception group, so the
+    app's handlers (400 for bad input, 503 for a dead engine) still see it."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        for exc in group.exceptions:
+            if isinstance(exc, AserveError):
+                raise exc from None
+        raise
 
 
 class _WatchedResponse:
@@ -62,7 +80,14 @@ class EventStreamResponse(_WatchedResponse):
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch, receive, tg.cancel_scope)
-            await self._produce(write)
+            try:
+                with unwrap_errors():
+                    await self._produce(write)
+            except AserveError as exc:
+                # Headers are out: say it in the stream, as OpenAI does (the client raises).
+                code = 503 if isinstance(exc, EngineDeadError) else 400
+                await write(sse_event({"error": {"message": str(exc), "type": "service_unavailable" if code == 503
+                                                 else "invalid_request_error", "param": None, "code": code}}))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             tg.cancel_scope.cancel()
 
@@ -77,10 +102,11 @@ class ComputedJSONResponse(_WatchedResponse):
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         result: list[tuple[int, Any]] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._watch, receive, tg.cancel_scope)
-            result.append(await self._compute())
-            tg.cancel_scope.cancel()
+        with unwrap_errors():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch, receive, tg.cancel_scope)
+                result.append(await self._compute())
+                tg.cancel_scope.cancel()
         if not result:
             return  # the client is gone: nothing to send
         status, obj = result[0]

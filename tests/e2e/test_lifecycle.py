@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from tests.e2e.server import Server, alive, aserve_shm
 
@@ -18,7 +19,23 @@ def test_kill_9_of_a_worker_fails_health_and_takes_the_tree_down(llama_dir):
     server = Server(llama_dir)
     pids = server.pids()
     assert len(pids) == 4  # supervisor, API server, engine core, worker
+    outcome = {}
+
+    def stream_forever():
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+        try:
+            for _ in client.completions.create(model="llama", prompt="Hello", max_tokens=200, stream=True,
+                                               extra_body={"ignore_eos": True, "min_tokens": 200}):
+                outcome["streaming"] = True
+        except Exception as exc:  # the stream must end in an error, not hang
+            outcome["error"] = exc
+
+    reader = threading.Thread(target=stream_forever)
+    reader.start()
     try:
+        deadline = time.monotonic() + 30
+        while "streaming" not in outcome:
+            assert time.monotonic() < deadline
         os.kill(pids[-1], signal.SIGKILL)  # the worker: the deepest process
         start = time.monotonic()
         status = 200
@@ -28,6 +45,8 @@ def test_kill_9_of_a_worker_fails_health_and_takes_the_tree_down(llama_dir):
             except httpx.TransportError:
                 status = -1  # already gone: the tree is going down as a unit
         assert status != 200 and time.monotonic() - start < 5
+        reader.join(15)
+        assert not reader.is_alive() and "error" in outcome
         code = server.proc.wait(30)
     finally:
         server.stop(signal.SIGKILL)

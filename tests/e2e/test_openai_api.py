@@ -176,3 +176,31 @@ def test_client_disconnect_aborts_every_engine_request(server, stream):
         time.sleep(0.05)
     assert kv_usage(server) == 0.0
     assert "aserve:http_requests_client_disconnected_total" in httpx.get(server.base_url + "/metrics").text
+
+
+def test_openai_stream_closed_early_aborts(server, client):
+    stream = client.completions.create(model="tiny", prompt=["Hello", "World"], n=2, max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert kv_usage(server) > 0.0
+    stream.close()
+    deadline = time.monotonic() + 10
+    while kv_usage(server) > 0.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_usage(server) == 0.0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+# Under Trio the openai client leaves its inner SSE byte iterator to the garbage
+# collector once it has seen [DONE]; that is the client's, not the server's, doing.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_async_openai_client_streams(server, anyio_backend):
+    async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0) as aclient:
+        stream = await aclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                       max_tokens=5, temperature=0, stream=True,
+                                                       extra_body={"ignore_eos": True})
+        chunks = [chunk async for chunk in stream]
+        await stream.close()
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"

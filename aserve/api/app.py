@@ -120,6 +120,8 @@ class _Handler:
             async for out in self.engine.generate({"prompt": text, "prompt_token_ids": ids}, params,
                                                   request_id=f"{uuid.uuid4().hex}-{i}", priority=priority):
                 now = time.monotonic()
+                if first and "queue_time" in out.metrics:
+                    metrics.queue_time.labels(engine_label).observe(out.metrics["queue_time"])
                 new_tokens = sum(len(c.token_ids) for c in out.outputs)
                 if new_tokens:
                     metrics.generation_tokens.labels(engine_label).inc(new_tokens)

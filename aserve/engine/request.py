@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import time
 from array import array
 
 from aserve.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ class Request:
         "request_id", "sampling_params", "eos_token_ids", "stop_token_ids", "arrival_time", "priority",
         "cache_salt", "client_index", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "block_hashes", "num_cached_tokens", "max_tokens", "finish_reason", "stop_reason",
-        "num_preemptions", "num_prompt_logprobs_sent", "_salt_bytes",
+        "num_preemptions", "num_prompt_logprobs_sent", "_salt_bytes", "received_time", "queue_time",
     )
 
     def __init__(self, req: EngineCoreRequest, *, max_model_len: int) -> None:
@@ -54,6 +55,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_prompt_logprobs_sent = 0
+        self.received_time = time.monotonic()  # the engine's clock: queue time is measured there
+        self.queue_time: float | None = None  # set when first scheduled; sent once
         self._salt_bytes = (req.cache_salt or "").encode()
 
     @property

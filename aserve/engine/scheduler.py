@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 
 import msgspec
 
@@ -176,6 +177,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+                request.queue_time = time.monotonic() - request.received_time
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._known_to_runner.add(request.request_id)
@@ -235,6 +237,7 @@ class Scheduler:
             request.all_token_ids.append(token)
             request.update_block_hashes(self.block_size)
             finish, stop_reason = self._check_stop(request, token)
+            queue_time, request.queue_time = request.queue_time, None  # reported with the first token
             outputs.append(
                 EngineCoreOutput(
                     request_id,
@@ -244,6 +247,7 @@ class Scheduler:
                     finish_reason=finish,
                     stop_reason=stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    queue_time=queue_time,
                 )
             )
             if finish is not None:

@@ -96,6 +96,7 @@ class RequestState:
             [None] if params.prompt_logprobs is not None else None
         )
         self.num_cached_tokens = 0
+        self.metrics: dict[str, float] = {}
 
     @property
     def child_ids(self) -> list[str]:
@@ -120,6 +121,8 @@ class RequestState:
             self.prompt_logprobs.extend(self._logprobs_dict(lp) for lp in out.new_prompt_logprobs)
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
+        if out.queue_time is not None and index == 0:
+            self.metrics["queue_time"] = out.queue_time
         if child.finished:
             return False
         child.token_ids.extend(out.new_token_ids)
@@ -178,6 +181,7 @@ class RequestState:
             finished=finished,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=dict(self.metrics),
         )
 
 

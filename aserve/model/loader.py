@@ -8,7 +8,7 @@ tensor that a rank does not own is ever held in memory twice.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -80,8 +80,22 @@ def _iter_sources(files: list[Path], stack: ExitStack) -> Iterator[_SafetensorsS
             yield _SafetensorsSource(handle, name)
 
 
-def load_model(model_dir: Path, arch: ArchConfig, *, dtype: torch.dtype, max_positions: int, tp: TPGroup) -> nn.Module:
+def count_tensors(files: list[Path]) -> int:
+    total = 0
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                total += len(handle.keys())
+        except (SafetensorError, OSError) as exc:
+            raise CorruptModelFileError(f"{path} is not a readable safetensors file: {exc}") from exc
+    return total
+
+
+def load_model(model_dir: Path, arch: ArchConfig, *, dtype: torch.dtype, max_positions: int, tp: TPGroup,
+               progress: Callable[[int, int], None] | None = None) -> nn.Module:
     """Construct the architecture's model for this rank and load its weights.
+
+    ``progress(done, total)`` is called after each tensor, when given.
 
     Raises ``UnsupportedArchitectureError``, ``ModelFileNotFoundError`` or
     ``CorruptModelFileError`` (a tensor missing, misshapen or unreadable).
@@ -93,8 +107,12 @@ def load_model(model_dir: Path, arch: ArchConfig, *, dtype: torch.dtype, max_pos
         raise ConfigError(str(exc)) from exc
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    files = safetensors_files(model_dir)
+    total = count_tensors(files) if progress is not None else 0
     with ExitStack() as stack:
-        for source in _iter_sources(safetensors_files(model_dir), stack):
+        for done, source in enumerate(_iter_sources(files, stack), start=1):
+            if progress is not None:
+                progress(done, total)
             name = source.name
             if "rotary_emb" in name:
                 continue

@@ -64,6 +64,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival in the engine to first scheduling
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

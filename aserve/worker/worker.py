@@ -15,6 +15,7 @@ from aserve.distributed.tp_group import TPGroup
 from aserve.engine.scheduler import RunnerOutput
 from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.model.hf_config import load_arch_config
+from aserve.launch.process_utils import ProgressBar
 from aserve.model.layers.linear import prepack_linears
 from aserve.model.loader import load_model, resolve_dtype
 from aserve.worker.kv_spec import local_kv_heads
@@ -22,14 +23,16 @@ from aserve.worker.model_runner import ModelRunner
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, tp: TPGroup) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup, *, show_progress: bool = False) -> None:
         """``config`` must be fitted (``max_model_len`` and ``num_blocks`` known)."""
         self.config = config
         self.tp = tp
         model_dir = Path(config.model.model)
         arch = load_arch_config(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, arch)
-        model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp)
+        progress = ProgressBar("aserve: loading weights") if show_progress else None
+        model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
+                           progress=progress)
         prepack_linears(model)
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed)
         assert config.cache.num_blocks is not None

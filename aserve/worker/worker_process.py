@@ -97,7 +97,7 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
         dist.init_process_group("gloo", init_method=f"file://{cfg.dist_init_file}", rank=cfg.rank,
                                 world_size=cfg.tp_size)
         tp = TPGroup(cfg.rank, cfg.tp_size, dist.group.WORLD)
-    worker = Worker(cfg.engine, tp)
+    worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0)
     encoder = msgspec.msgpack.Encoder()
     response.wait_for_readers(timeout=300)
     response.write(encoder.encode(WorkerReply(ok=True)))

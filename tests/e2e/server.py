@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,17 @@ class Server:
             match = re.search(r"at (https?://\S+)/v1", line)
             if match:
                 self.base_url = match.group(1)
+        # Keep reading the server's output so its pipe never fills and blocks it.
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
         self.wait_ready()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def output(self) -> str:
+        return "".join(self.log)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -65,6 +76,7 @@ class Server:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+            self._reader.join(10)
             self.proc.stdout.close()
         return code
 

@@ -98,6 +98,21 @@ def test_chat_completion_and_stream(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_startup_log_and_metrics(client, server):
+    log = server.output()
+    assert "aserve::supervisor -> aserve::api_server_0 -> aserve::engine_core_0" in log
+    assert "loading weights [" in log and "100%" in log
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in ("aserve:num_requests_running{", "aserve:num_requests_waiting{", "aserve:prompt_tokens_total{",
+                 "aserve:generation_tokens_total{", 'aserve:request_success_total{engine="0",finished_reason="length"}',
+                 "aserve:time_to_first_token_seconds_bucket{", "aserve:inter_token_latency_seconds_bucket{",
+                 "aserve:e2e_request_latency_seconds_count{", "aserve:request_queue_time_seconds_count{"):
+        assert name in text, name
+    queued = [line for line in text.splitlines() if line.startswith("aserve:request_queue_time_seconds_count")]
+    assert float(queued[0].split()[-1]) >= 1
+
+
 def test_models_and_small_routes(client, server):
     assert [m.id for m in client.models.list()] == ["tiny"]
     base = server.base_url

@@ -34,6 +34,7 @@ class ApiServerConfig:
     ssl_keyfile: str | None = None
     index: int = 0
     log_level: str = "INFO"
+    attach: Any = None  # EngineAttachment: the engine core the supervisor started
 
 
 class _InFlight:
@@ -62,7 +63,7 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
 
     from aserve.frontend.async_llm import AsyncLLM
 
-    async with AsyncLLM(**cfg.engine_kwargs) as engine:
+    async with AsyncLLM(**cfg.engine_kwargs, attach=cfg.attach) as engine:
         state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
         app = _InFlight(build_app(state))
         config = Config()

@@ -25,9 +25,11 @@ import itertools
 import logging
 import math
 import multiprocessing as mp
+import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,47 @@ from aserve.wire.zmq_anyio import AsyncSocket
 logger = logging.getLogger("aserve.async_llm")
 
 
+@dataclass(frozen=True)
+class EngineAttachment:
+    """An engine core that someone else (the ``aserve run`` supervisor) started and owns.
+
+    The ``AsyncLLM`` binds its sockets at the instance's addresses, waits for READY,
+    watches the engine through a pidfd, and leaves stopping it and removing the
+    instance's files to the owner.
+    """
+
+    instance_id: str
+    instance_dir: str
+    engine_pid: int
+
+
+def engine_addresses(instance_dir: str) -> tuple[str, str]:
+    """(requests address, outputs address) of an instance's single API server."""
+    return f"ipc://{instance_dir}/input", f"ipc://{instance_dir}/output"
+
+
+def make_engine_config(
+    model: str | None = None,
+    *,
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    seed: int = 0,
+    kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+    )
+
+
 class AsyncLLM:
     def __init__(
         self,
@@ -76,15 +119,15 @@ class AsyncLLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         startup_timeout: float = 600.0,
+        attach: EngineAttachment | None = None,
     ) -> None:
-        self.config = EngineConfig(
-            model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        self.config = make_engine_config(
+            model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         )
         self.startup_timeout = startup_timeout
+        self.attach = attach
         self._fitted = fit_config(self.config)  # bad directories and settings fail here, in the caller
         self.tokenizer = Tokenizer(Path(self.config.model.model))
         arch = self._fitted.arch
@@ -104,31 +147,37 @@ class AsyncLLM:
     # -- lifetime -----------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncLLM:
-        self.instance_id = f"aserve_{uuid.uuid4().hex[:12]}"
-        self.instance_dir = tempfile.mkdtemp(prefix=f"{self.instance_id}-")
+        if self.attach is not None:
+            self.instance_id, self.instance_dir = self.attach.instance_id, self.attach.instance_dir
+        else:
+            self.instance_id = f"aserve_{uuid.uuid4().hex[:12]}"
+            self.instance_dir = tempfile.mkdtemp(prefix=f"{self.instance_id}-")
+        input_address, output_address = engine_addresses(self.instance_dir)
         self._ctx = zmq.Context()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.bind(f"ipc://{self.instance_dir}/input")
+        router.bind(input_address)
         pull = self._ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
-        pull.bind(f"ipc://{self.instance_dir}/output")
+        pull.bind(output_address)
         self._router, self._pull = AsyncSocket(router), AsyncSocket(pull)
         self.dead_event = anyio.Event()  # set when the engine dies or is shut down
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
-            cfg = EngineCoreProcConfig(
-                engine=self.config, engine_index=0,
-                input_addresses=(f"ipc://{self.instance_dir}/input",),
-                output_addresses=(f"ipc://{self.instance_dir}/output",),
-                instance_dir=self.instance_dir, instance_id=self.instance_id,
-            )
-            skip_resource_tracker()
-            self.engine_process = mp.get_context("spawn").Process(target=run_engine_core, args=(cfg,),
-                                                                  name="engine_core_0")
-            self.engine_process.start()
+            if self.attach is not None:
+                self._engine_exit_fd = os.pidfd_open(self.attach.engine_pid)
+            else:
+                cfg = EngineCoreProcConfig(
+                    engine=self.config, engine_index=0, input_addresses=(input_address,),
+                    output_addresses=(output_address,), instance_dir=self.instance_dir, instance_id=self.instance_id,
+                )
+                skip_resource_tracker()
+                self.engine_process = mp.get_context("spawn").Process(target=run_engine_core, args=(cfg,),
+                                                                      name="engine_core_0")
+                self.engine_process.start()
+                self._engine_exit_fd = self.engine_process.sentinel
             await self._wait_ready()
             self._tg.start_soon(self._output_loop)
             self._tg.start_soon(self._watch_process)
@@ -139,9 +188,8 @@ class AsyncLLM:
 
     async def _wait_ready(self) -> None:
         async def process_exit() -> None:
-            assert self.engine_process is not None
-            await anyio.wait_readable(self.engine_process.sentinel)
-            raise EngineDeadError(f"the engine core exited with code {self.engine_process.exitcode} while starting")
+            await anyio.wait_readable(self._engine_exit_fd)
+            raise EngineDeadError(f"the engine core exited ({self._exit_status()}) while starting")
 
         with anyio.fail_after(self.startup_timeout):
             async with anyio.create_task_group() as tg:
@@ -176,15 +224,23 @@ class AsyncLLM:
         self._pull.close()
         self._ctx.term()
         self._fail(EngineDeadError("the engine was shut down"))
+        if self.attach is not None:
+            if isinstance(getattr(self, "_engine_exit_fd", None), int):
+                os.close(self._engine_exit_fd)
+            return  # the owner stops the engine and removes the instance's files
         cleanup_instance(self.instance_id, self.instance_dir)
 
     # -- background tasks ---------------------------------------------------------
 
+    def _exit_status(self) -> str:
+        if self.engine_process is None:
+            return "exit status unknown: not our child"
+        return f"exit code {self.engine_process.exitcode}"
+
     async def _watch_process(self) -> None:
-        assert self.engine_process is not None
-        await anyio.wait_readable(self.engine_process.sentinel)
+        await anyio.wait_readable(self._engine_exit_fd)
         if not self._stopping:
-            self._fail(EngineDeadError(f"the engine core exited with code {self.engine_process.exitcode}"))
+            self._fail(EngineDeadError(f"the engine core exited ({self._exit_status()})"))
 
     async def _output_loop(self) -> None:
         while True:

@@ -1,23 +1,30 @@
 """``aserve run``: the supervisor owns the process tree, the listening socket and signals.
 
-It binds the HTTP socket once and hands it to the API-server process, which starts the
-engine core (and the engine core its workers). SIGTERM/SIGINT are forwarded to the API
-server, which drains (see ``aserve.api.server``); if the API server exits on its own
-(for example because the engine died), the supervisor exits with its status. Children
-exit when their parent dies.
+It starts the engine core (which starts its workers), binds the HTTP socket once and
+hands it to the API-server process, which connects to the engine over the instance's
+IPC addresses. It watches every child: one that exits on its own brings the tree down.
+SIGTERM/SIGINT drain the API server (see ``aserve.api.server``), then stop the engine.
+Children exit when their parent dies; the supervisor removes the instance's shared
+memory and IPC files on every exit path it survives (and an orphaned engine core does
+it when the supervisor does not).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import signal
 import socket
-import time
+import tempfile
+import uuid
 from pathlib import Path
 
 from aserve.api.server import ApiServerConfig, run_api_server
-from aserve.launch.process_utils import set_process_title, skip_resource_tracker
+from aserve.engine.core_process import EngineCoreProcConfig, run_engine_core
+from aserve.frontend.async_llm import EngineAttachment, engine_addresses, make_engine_config
+from aserve.launch.process_utils import cleanup_instance, ignore_termination, set_process_title, skip_resource_tracker
 
 logger = logging.getLogger("aserve.supervisor")
 
@@ -32,43 +39,77 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(cfg: ApiServerConfig, host: str, port: int) -> int:
-    """Run until the server stops; returns the exit status."""
+    """Start the tree, run until it stops, return the exit status.
+
+    Any child that exits on its own takes the whole tree down (SIGTERM to the others,
+    SIGKILL after a grace period) and the status is 1; SIGTERM/SIGINT drain the API
+    server first, then stop the engine, and the status is 0.
+    """
     set_process_title("aserve::supervisor")
     skip_resource_tracker()
+    instance_id = f"aserve_{uuid.uuid4().hex[:12]}"
+    instance_dir = tempfile.mkdtemp(prefix=f"{instance_id}-")
+    try:
+        return _run_tree(cfg, host, port, instance_id, instance_dir)
+    finally:
+        cleanup_instance(instance_id, instance_dir)
+
+
+def _stop(proc: mp.process.BaseProcess, grace: float) -> None:
+    if proc.exitcode is None:
+        proc.terminate()
+        proc.join(grace)
+    if proc.exitcode is None:
+        logger.error("%s did not stop in %.0f s; killing it", proc.name, grace)
+        proc.kill()
+        proc.join()
+
+
+def _run_tree(cfg: ApiServerConfig, host: str, port: int, instance_id: str, instance_dir: str) -> int:
     sock = bind_socket(host, port)
-    scheme = "https" if cfg.ssl_certfile else "http"
-    actual_port = sock.getsockname()[1]
-    api = mp.get_context("spawn").Process(target=run_api_server, args=(cfg, sock), name="api_server_0")
+    bound_port = sock.getsockname()[1]
+    spawn = mp.get_context("spawn")
+    input_address, output_address = engine_addresses(instance_dir)
+    engine_cfg = EngineCoreProcConfig(
+        engine=make_engine_config(**cfg.engine_kwargs), engine_index=0, input_addresses=(input_address,),
+        output_addresses=(output_address,), instance_dir=instance_dir, instance_id=instance_id,
+    )
+    engine = spawn.Process(target=run_engine_core, args=(engine_cfg,), name="engine_core_0")
+    engine.start()
+    api_cfg = dataclasses.replace(cfg, attach=EngineAttachment(instance_id, instance_dir, engine.pid))
+    api = spawn.Process(target=run_api_server, args=(api_cfg, sock), name="api_server_0")
     api.start()
     sock.close()  # the API server holds its own copy
-    print(f"aserve: serving {cfg.served_model_name} at {scheme}://{host}:{actual_port}/v1", flush=True)
-    print("aserve: process tree: aserve::supervisor -> aserve::api_server_0 -> aserve::engine_core_0 -> "
-          f"aserve::worker_tp0..{cfg.engine_kwargs.get('tensor_parallel_size', 1) - 1}", flush=True)
+    scheme = "https" if cfg.ssl_certfile else "http"
+    tp = cfg.engine_kwargs.get("tensor_parallel_size", 1)
+    print(f"aserve: serving {cfg.served_model_name} at {scheme}://{host}:{bound_port}/v1", flush=True)
+    print("aserve: process tree: aserve::supervisor -> [aserve::api_server_0, aserve::engine_core_0 -> "
+          f"{', '.join(f'aserve::worker_tp{r}' for r in range(tp))}]", flush=True)
 
     stopping = False
 
-    def forward(signum: int, frame: object) -> None:
+    def request_stop(signum: int, frame: object) -> None:
         nonlocal stopping
         if not stopping and api.exitcode is None:
-            api.terminate()  # SIGTERM: the API server drains (once; it ignores repeats)
+            api.terminate()  # at once: /ready must turn 503 now, not at the next loop turn
         stopping = True
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    while api.exitcode is None:
-        api.join(timeout=1.0)
-        if stopping and api.exitcode is None:
-            deadline = time.monotonic() + cfg.shutdown_timeout + 60
-            while api.exitcode is None and time.monotonic() < deadline:
-                api.join(timeout=1.0)
-            if api.exitcode is None:
-                logger.error("the API server did not stop in time; killing it")
-                api.kill()
-                api.join()
-    code = api.exitcode or 0
-    if stopping and code in (0, -signal.SIGTERM):
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    children = [api, engine]
+    while not stopping and all(p.exitcode is None for p in children):
+        mp_connection.wait([p.sentinel for p in children], timeout=1.0)
+    ignore_termination()
+    if stopping:
+        # Drain: the API server finishes (or aborts) its requests, then the engine stops.
+        _stop(api, cfg.shutdown_timeout + 60)
+        _stop(engine, 60)
         return 0
-    return 1 if code else 0
+    died = [p for p in children if p.exitcode is not None]
+    logger.error("%s exited (code %s); stopping the server", died[0].name, died[0].exitcode)
+    for proc in children:
+        _stop(proc, 30)
+    return 1
 
 
 def model_name(model: str | None) -> str:

@@ -67,6 +67,16 @@ class Server:
 
         return [self.proc.pid, *tree(self.proc.pid)]
 
+    def titles(self) -> dict[str, int]:
+        """Process title -> pid, for the whole tree."""
+        out = {}
+        for pid in self.pids():
+            try:
+                out[Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()] = pid
+            except FileNotFoundError:
+                pass
+        return out
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -100,7 +100,7 @@ def test_chat_completion_and_stream(client):
 
 def test_startup_log_and_metrics(client, server):
     log = server.output()
-    assert "aserve::supervisor -> aserve::api_server_0 -> aserve::engine_core_0" in log
+    assert "aserve::supervisor -> [aserve::api_server_0, aserve::engine_core_0 -> aserve::worker_tp0]" in log
     assert "loading weights [" in log and "100%" in log
     client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
     text = httpx.get(server.base_url + "/metrics").text

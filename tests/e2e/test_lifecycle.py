@@ -101,3 +101,37 @@ def _running(server) -> float:
         if line.startswith("aserve:num_requests_running{"):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_requests_past_the_shutdown_timeout_are_cut_off(llama_dir):
+    before = aserve_shm()
+    server = Server(llama_dir, "--shutdown-timeout", "0.3", "--max-model-len", "512")
+    pids = server.pids()
+    seen = {"events": 0, "done": False}
+
+    def long_stream():
+        try:
+            with httpx.stream("POST", server.base_url + "/v1/completions", timeout=60,
+                              json={"prompt": ["Hello", "World"], "n": 4, "max_tokens": 480, "ignore_eos": True,
+                                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        seen["events"] += 1
+                    seen["done"] |= line == "data: [DONE]"
+        except httpx.HTTPError:
+            pass  # the connection is closed under it: expected
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while seen["events"] < 2:
+        assert time.monotonic() < deadline
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    reader.join(30)
+    assert not reader.is_alive()
+    assert not seen["done"]  # cut off, not finished
+    assert server.stop() == 0
+    assert time.monotonic() - start < 20
+    assert not any(alive(p) for p in pids)
+    assert aserve_shm() <= before

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator")
     run.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
+    run.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                     help="seconds without a heartbeat after which an engine process counts as dead (default 30)")
     run.add_argument("--ssl-certfile", default=None, help="TLS certificate (enables HTTPS with HTTP/2 by ALPN)")
     run.add_argument("--ssl-keyfile", default=None, help="TLS private key")
     run.add_argument("--loop", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
@@ -93,6 +95,7 @@ def _run(args: argparse.Namespace) -> int:
         model=model, tensor_parallel_size=args.tp, dtype=args.dtype, max_model_len=args.max_model_len,
         seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
     loop = args.loop
     if loop == "auto":

@@ -38,6 +38,7 @@ import zmq
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore, fit_config
 from aserve.errors import AserveError, EngineDeadError
+from aserve.launch.heartbeat import Heartbeat, HeartbeatTable, engine_slot
 from aserve.launch.process_utils import (
     cleanup_instance,
     exit_with_parent,
@@ -66,6 +67,7 @@ class EngineCoreProcConfig:
     instance_dir: str  # this server instance's private directory (IPC files)
     instance_id: str  # prefix of every shared-memory segment of this instance
     use_worker_processes: bool = True
+    heartbeat_name: str | None = None  # the instance's heartbeat segment (see aserve.launch.heartbeat)
 
 
 def run_engine_core(cfg: EngineCoreProcConfig) -> None:
@@ -77,6 +79,11 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     code = 0
+    heartbeat = table = None
+    if cfg.heartbeat_name is not None:
+        tp = cfg.engine.parallel.tensor_parallel_size
+        table = HeartbeatTable(cfg.heartbeat_name, engine_slot(cfg.engine_index, tp) + 1 + tp, create=False)
+        heartbeat = Heartbeat(table, engine_slot(cfg.engine_index, tp)).__enter__()
     try:
         anyio.run(_serve, cfg)
     except KeyboardInterrupt:
@@ -86,6 +93,9 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
         code = 1
     finally:
         ignore_termination()
+        if heartbeat is not None:
+            heartbeat.__exit__(None, None, None)
+            table.close()
         if os.getppid() != parent:  # orphaned: nobody else will remove this instance's files
             cleanup_instance(cfg.instance_id, cfg.instance_dir)
     sys.exit(code)
@@ -96,7 +106,7 @@ def _make_executor_factory(cfg: EngineCoreProcConfig) -> Callable[[EngineConfig]
         from aserve.executor.multiproc import MultiprocExecutor
 
         return lambda config: MultiprocExecutor(config, instance_dir=cfg.instance_dir, instance_id=cfg.instance_id,
-                                                dp_rank=cfg.engine_index)
+                                                dp_rank=cfg.engine_index, heartbeat_name=cfg.heartbeat_name)
     from aserve.executor.in_process import InProcessExecutor
 
     return InProcessExecutor

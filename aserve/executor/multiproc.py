@@ -34,7 +34,8 @@ _POLL = 1.0
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, *, instance_dir: str, instance_id: str, dp_rank: int = 0, dp_size: int = 1,
-                 startup_timeout: float = 600.0, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+                 startup_timeout: float = 600.0, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 heartbeat_name: str | None = None) -> None:
         self.tp_size = config.parallel.tensor_parallel_size
         self._ctx = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
@@ -55,7 +56,7 @@ class MultiprocExecutor:
                     broadcast_name=f"{prefix}_bcast", broadcast_side=f"ipc://{instance_dir}/dp{dp_rank}_bcast",
                     response_name=self._response_names[rank], response_side=f"ipc://{instance_dir}/dp{dp_rank}_resp{rank}",
                     dist_init_file=f"{instance_dir}/dist_dp{dp_rank}", max_chunks=DEFAULT_MAX_CHUNKS,
-                    max_chunk_bytes=max_chunk_bytes,
+                    max_chunk_bytes=max_chunk_bytes, heartbeat_name=heartbeat_name,
                 )
                 proc = spawn.Process(target=run_worker, args=(cfg,), name=f"worker_dp{dp_rank}_tp{rank}")
                 proc.start()

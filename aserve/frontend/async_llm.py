@@ -27,6 +27,7 @@ import math
 import multiprocessing as mp
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ from aserve.engine.engine_core import fit_config
 from aserve.errors import EngineDeadError, InvalidInputError
 from aserve.frontend.input_processor import InputProcessor, PromptType
 from aserve.frontend.llm import resolve_model_path
+from aserve.launch.heartbeat import DEFAULT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
+from aserve.launch.heartbeat import INTERVAL as HEARTBEAT_INTERVAL
+from aserve.launch.heartbeat import HeartbeatMonitor, HeartbeatTable, engine_slot, segment_name, worker_slot
 from aserve.launch.process_utils import cleanup_instance, skip_resource_tracker
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
 from aserve.outputs import RequestOutput
@@ -119,6 +123,7 @@ class AsyncLLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         startup_timeout: float = 600.0,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         attach: EngineAttachment | None = None,
     ) -> None:
         self.config = make_engine_config(
@@ -127,7 +132,9 @@ class AsyncLLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         )
         self.startup_timeout = startup_timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self.attach = attach
+        self._heartbeats: HeartbeatTable | None = None
         self._fitted = fit_config(self.config)  # bad directories and settings fail here, in the caller
         self.tokenizer = Tokenizer(Path(self.config.model.model))
         arch = self._fitted.arch
@@ -165,13 +172,17 @@ class AsyncLLM:
         self.dead_event = anyio.Event()  # set when the engine dies or is shut down
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        tp = self.config.parallel.tensor_parallel_size
         try:
             if self.attach is not None:
+                self._heartbeats = HeartbeatTable(segment_name(self.instance_id), 1 + tp, create=False)
                 self._engine_exit_fd = os.pidfd_open(self.attach.engine_pid)
             else:
+                self._heartbeats = HeartbeatTable(segment_name(self.instance_id), 1 + tp, create=True)
                 cfg = EngineCoreProcConfig(
                     engine=self.config, engine_index=0, input_addresses=(input_address,),
                     output_addresses=(output_address,), instance_dir=self.instance_dir, instance_id=self.instance_id,
+                    heartbeat_name=segment_name(self.instance_id),
                 )
                 skip_resource_tracker()
                 self.engine_process = mp.get_context("spawn").Process(target=run_engine_core, args=(cfg,),
@@ -181,6 +192,7 @@ class AsyncLLM:
             await self._wait_ready()
             self._tg.start_soon(self._output_loop)
             self._tg.start_soon(self._watch_process)
+            self._tg.start_soon(self._watch_heartbeats)
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)
             raise
@@ -224,6 +236,8 @@ class AsyncLLM:
         self._pull.close()
         self._ctx.term()
         self._fail(EngineDeadError("the engine was shut down"))
+        if self._heartbeats is not None:
+            self._heartbeats.close()
         if self.attach is not None:
             if isinstance(getattr(self, "_engine_exit_fd", None), int):
                 os.close(self._engine_exit_fd)
@@ -241,6 +255,21 @@ class AsyncLLM:
         await anyio.wait_readable(self._engine_exit_fd)
         if not self._stopping:
             self._fail(EngineDeadError(f"the engine core exited ({self._exit_status()})"))
+
+    async def _watch_heartbeats(self) -> None:
+        """A process that stops ticking for ``heartbeat_timeout`` counts as dead."""
+        assert self._heartbeats is not None
+        tp = self.config.parallel.tensor_parallel_size
+        slots = {engine_slot(0, tp): "the engine core"}
+        slots |= {worker_slot(0, tp, r): f"worker tp{r}" for r in range(tp)}
+        monitor = HeartbeatMonitor(self._heartbeats, slots, self.heartbeat_timeout)
+        while True:
+            await anyio.sleep(HEARTBEAT_INTERVAL)
+            stale = monitor.check(time.monotonic())
+            if stale:
+                self._fail(EngineDeadError(f"{stale[0]} stopped responding (no heartbeat for "
+                                           f"{self.heartbeat_timeout:.0f} s)"))
+                return
 
     async def _output_loop(self) -> None:
         while True:

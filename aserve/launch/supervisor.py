@@ -24,6 +24,7 @@ from pathlib import Path
 from aserve.api.server import ApiServerConfig, run_api_server
 from aserve.engine.core_process import EngineCoreProcConfig, run_engine_core
 from aserve.frontend.async_llm import EngineAttachment, engine_addresses, make_engine_config
+from aserve.launch.heartbeat import create_segment, segment_name
 from aserve.launch.process_utils import cleanup_instance, ignore_termination, set_process_title, skip_resource_tracker
 
 logger = logging.getLogger("aserve.supervisor")
@@ -70,9 +71,13 @@ def _run_tree(cfg: ApiServerConfig, host: str, port: int, instance_id: str, inst
     bound_port = sock.getsockname()[1]
     spawn = mp.get_context("spawn")
     input_address, output_address = engine_addresses(instance_dir)
+    engine_config = make_engine_config(**{k: v for k, v in cfg.engine_kwargs.items() if k != "heartbeat_timeout"})
+    tp = engine_config.parallel.tensor_parallel_size
+    create_segment(segment_name(instance_id), 1 + tp)  # removed by cleanup_instance
     engine_cfg = EngineCoreProcConfig(
-        engine=make_engine_config(**cfg.engine_kwargs), engine_index=0, input_addresses=(input_address,),
+        engine=engine_config, engine_index=0, input_addresses=(input_address,),
         output_addresses=(output_address,), instance_dir=instance_dir, instance_id=instance_id,
+        heartbeat_name=segment_name(instance_id),
     )
     engine = spawn.Process(target=run_engine_core, args=(engine_cfg,), name="engine_core_0")
     engine.start()
@@ -81,7 +86,6 @@ def _run_tree(cfg: ApiServerConfig, host: str, port: int, instance_id: str, inst
     api.start()
     sock.close()  # the API server holds its own copy
     scheme = "https" if cfg.ssl_certfile else "http"
-    tp = cfg.engine_kwargs.get("tensor_parallel_size", 1)
     print(f"aserve: serving {cfg.served_model_name} at {scheme}://{host}:{bound_port}/v1", flush=True)
     print("aserve: process tree: aserve::supervisor -> [aserve::api_server_0, aserve::engine_core_0 -> "
           f"{', '.join(f'aserve::worker_tp{r}' for r in range(tp))}]", flush=True)

@@ -22,6 +22,7 @@ from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from aserve.distributed.tp_group import TPGroup
 from aserve.executor.messages import CALL_DECODER, WorkerCall, WorkerReply
+from aserve.launch.heartbeat import Heartbeat, HeartbeatTable, worker_slot
 from aserve.launch.process_utils import (
     available_cores,
     exit_with_parent,
@@ -47,6 +48,7 @@ class WorkerProcConfig:
     dist_init_file: str
     max_chunks: int
     max_chunk_bytes: int
+    heartbeat_name: str | None = None
 
 
 def worker_title(cfg: WorkerProcConfig) -> str:
@@ -66,6 +68,11 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     ctx = zmq.Context()
     broadcast = response = None
     code = 0
+    heartbeat = table = None
+    if cfg.heartbeat_name is not None:
+        slot = worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank)
+        table = HeartbeatTable(cfg.heartbeat_name, slot + 1, create=False)
+        heartbeat = Heartbeat(table, slot).__enter__()
     try:
         broadcast = ShmRingReader(cfg.broadcast_name, cfg.rank, cfg.tp_size, side_channel_address=cfg.broadcast_side,
                                   zmq_context=ctx, max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
@@ -79,6 +86,9 @@ def run_worker(cfg: WorkerProcConfig) -> None:
         code = 1
     finally:
         ignore_termination()
+        if heartbeat is not None:
+            heartbeat.__exit__(None, None, None)
+            table.close()
         if broadcast is not None:
             broadcast.close()
         if response is not None:

@@ -1,0 +1,119 @@
+"""Heartbeats in shared memory: liveness beyond exit codes (DESIGN §9).
+
+A process can hang without dying (stopped, deadlocked, a wedged device). Each engine
+core and worker owns one 8-byte counter in a per-instance segment
+(``/dev/shm/<instance>_heartbeat``) and a small thread that increments it about once a
+second; whoever watches the engine reads the counters and treats a process whose
+counter has not moved for ``timeout`` seconds as dead, exactly as if it had exited.
+
+Layout: ``num_slots`` little-endian uint64 counters. Slot of engine ``d`` with TP size
+``t``: ``d * (1 + t)``; of its worker at TP rank ``r``: ``d * (1 + t) + 1 + r``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+import time
+
+INTERVAL = 1.0
+DEFAULT_TIMEOUT = 30.0
+_SLOT = struct.Struct("<Q")
+
+
+def segment_name(instance_id: str) -> str:
+    return f"{instance_id}_heartbeat"
+
+
+def engine_slot(dp_rank: int, tp_size: int) -> int:
+    return dp_rank * (1 + tp_size)
+
+
+def worker_slot(dp_rank: int, tp_size: int, tp_rank: int) -> int:
+    return dp_rank * (1 + tp_size) + 1 + tp_rank
+
+
+def create_segment(name: str, num_slots: int) -> None:
+    """Create the zeroed counters for processes that others will watch; the creator
+    removes the file (``cleanup_instance`` does, by the instance's prefix)."""
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, num_slots * _SLOT.size)
+    finally:
+        os.close(fd)
+
+
+class HeartbeatTable:
+    """The counters; ``create=True`` by the instance's owner, which also unlinks it."""
+
+    def __init__(self, name: str, num_slots: int, *, create: bool) -> None:
+        self.path = f"/dev/shm/{name}"
+        self.num_slots = num_slots
+        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, num_slots * _SLOT.size)
+            self._map = mmap.mmap(fd, num_slots * _SLOT.size)
+        finally:
+            os.close(fd)
+        self._owner = create
+
+    def read(self, slot: int) -> int:
+        return _SLOT.unpack_from(self._map, slot * _SLOT.size)[0]
+
+    def tick(self, slot: int) -> None:
+        _SLOT.pack_into(self._map, slot * _SLOT.size, (self.read(slot) + 1) & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def close(self) -> None:
+        self._map.close()
+        if self._owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class Heartbeat:
+    """Ticks one slot from a thread while the ``with`` block runs; the thread is joined
+    on exit, so it never outlives its owner."""
+
+    def __init__(self, table: HeartbeatTable, slot: int, interval: float = INTERVAL) -> None:
+        self.table, self.slot, self.interval = table, slot, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{slot}")
+
+    def _run(self) -> None:
+        while True:
+            self.table.tick(self.slot)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class HeartbeatMonitor:
+    """Finds slots whose counters stopped moving. ``check(now)`` returns the stale ones."""
+
+    def __init__(self, table: HeartbeatTable, slots: dict[int, str], timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.table, self.slots, self.timeout = table, slots, timeout
+        now = time.monotonic()
+        self._seen = {slot: (table.read(slot), now) for slot in slots}
+
+    def check(self, now: float) -> list[str]:
+        stale = []
+        for slot, name in self.slots.items():
+            value = self.table.read(slot)
+            last_value, since = self._seen[slot]
+            if value != last_value:
+                self._seen[slot] = (value, now)
+            elif now - since >= self.timeout:
+                stale.append(name)
+        return stale

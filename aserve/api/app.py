@@ -27,7 +27,7 @@ from aserve.api.protocol import ChatCompletionRequest, CompletionRequest, Reques
 from aserve.api.responses import SSE_DONE, ComputedJSONResponse, EventStreamResponse, sse_event, unwrap_errors
 from aserve.errors import EngineDeadError, InvalidInputError
 from aserve.frontend.async_llm import AsyncLLM
-from aserve.outputs import CompletionOutput, PositionLogprobs
+from aserve.outputs import PositionLogprobs
 from aserve.sampling_params import SamplingParams
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -58,10 +58,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise HTTPException(413, f"the request body exceeds {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _finish_reason(c: CompletionOutput) -> str | None:
-    return c.finish_reason
 
 
 class _Choice:

@@ -60,7 +60,7 @@ SPIN_SECONDS = 2e-4  # yield-spin this long before sleeping
 MAX_SLEEP_SECONDS = 1e-3  # longest back-off sleep before the deep sleep
 DEEP_SLEEP_AFTER = 0.05  # readers then block on the side channel
 WAKE_AFTER = 0.02  # a write after this long an idle gap also sends a wake-up
-DEEP_POLL_MS = 1000  # a deep-sleeping reader still looks at the ring this often (a safety net)
+DEEP_POLL_MS = 5000  # a deep-sleeping reader still looks at the ring this often (a safety net)
 _DATA, _WAKE = b"D", b"W"
 
 
@@ -261,14 +261,22 @@ class ShmRingReader:
                 return frames[1]
         return self._stashed.popleft()
 
-    def read(self, timeout: float | None = None) -> bytes:
-        """The next message; waits for it (TimeoutError after ``timeout`` seconds)."""
+    def read(self, timeout: float | None = None, on_idle: Callable[[], None] | None = None) -> bytes:
+        """The next message; waits for it (TimeoutError after ``timeout`` seconds).
+
+        ``on_idle()`` runs each time a deep sleep wakes (at least every DEEP_POLL_MS), so
+        a caller can do periodic work, such as a heartbeat, without a thread of its own."""
         buf = self._segment.buf
         layout = self.layout
         meta = layout.meta(self._index)
         flag = meta + 1 + self.rank
+        deep_sleep = self._deep_sleep
+        if on_idle is not None:
+            def deep_sleep(seconds: float) -> None:
+                on_idle()
+                self._deep_sleep(seconds)
         _wait(lambda: buf[meta] == 1 and not buf[flag], None if timeout is None else time.monotonic() + timeout,
-              deep_sleep=self._deep_sleep)
+              deep_sleep=deep_sleep)
         start = layout.chunk(self._index)
         kind, length = _HEADER.unpack_from(buf, start)
         if kind == _INLINE:

@@ -2,9 +2,16 @@
 
 A process can hang without dying (stopped, deadlocked, a wedged device). Each engine
 core and worker owns one 8-byte counter in a per-instance segment
-(``/dev/shm/<instance>_heartbeat``) and a small thread that increments it about once a
-second; whoever watches the engine reads the counters and treats a process whose
-counter has not moved for ``timeout`` seconds as dead, exactly as if it had exited.
+(``/dev/shm/<instance>_heartbeat``); whoever watches the engine reads the counters and
+treats a process whose counter has not moved for ``timeout`` seconds as dead, exactly
+as if it had exited.
+
+Who ticks: the engine core, from a small thread every ``INTERVAL`` (5 s); a worker,
+from its own loop, after every call and from the ring's deep sleep when idle (at least
+every 5 s), so idle workers need no extra thread. On this VM every timed wake-up of an
+idle thread is charged like ~10 ms of CPU, which is why ticks are this sparse; the
+default timeout (30 s) is six intervals. A worker inside one step longer than the
+timeout would count as hung: the step timeout (300 s) is the bound for slow steps.
 
 Layout: ``num_slots`` little-endian uint64 counters. Slot of engine ``d`` with TP size
 ``t``: ``d * (1 + t)``; of its worker at TP rank ``r``: ``d * (1 + t) + 1 + r``.
@@ -18,7 +25,7 @@ import struct
 import threading
 import time
 
-INTERVAL = 1.0
+INTERVAL = 5.0  # each wake-up of an idle thread costs CPU on this VM: tick every 5 s
 DEFAULT_TIMEOUT = 30.0
 _SLOT = struct.Struct("<Q")
 

@@ -22,7 +22,7 @@ from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from aserve.distributed.tp_group import TPGroup
 from aserve.executor.messages import CALL_DECODER, WorkerCall, WorkerReply
-from aserve.launch.heartbeat import Heartbeat, HeartbeatTable, worker_slot
+from aserve.launch.heartbeat import HeartbeatTable, worker_slot
 from aserve.launch.process_utils import (
     available_cores,
     exit_with_parent,
@@ -68,17 +68,15 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     ctx = zmq.Context()
     broadcast = response = None
     code = 0
-    heartbeat = table = None
+    table = None
     if cfg.heartbeat_name is not None:
-        slot = worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank)
-        table = HeartbeatTable(cfg.heartbeat_name, slot + 1, create=False)
-        heartbeat = Heartbeat(table, slot).__enter__()
+        table = HeartbeatTable(cfg.heartbeat_name, worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank) + 1, create=False)
     try:
         broadcast = ShmRingReader(cfg.broadcast_name, cfg.rank, cfg.tp_size, side_channel_address=cfg.broadcast_side,
                                   zmq_context=ctx, max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
         response = ShmRingWriter(cfg.response_name, 1, side_channel_address=cfg.response_side, zmq_context=ctx,
                                  max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
-        _serve(cfg, broadcast, response)
+        _serve(cfg, broadcast, response, table)
     except KeyboardInterrupt:
         pass
     except BaseException:
@@ -86,8 +84,7 @@ def run_worker(cfg: WorkerProcConfig) -> None:
         code = 1
     finally:
         ignore_termination()
-        if heartbeat is not None:
-            heartbeat.__exit__(None, None, None)
+        if table is not None:
             table.close()
         if broadcast is not None:
             broadcast.close()
@@ -97,7 +94,8 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     sys.exit(code)
 
 
-def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter) -> None:
+def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter,
+           heartbeats: HeartbeatTable | None) -> None:
     import torch.distributed as dist
 
     from aserve.worker.worker import Worker
@@ -112,9 +110,18 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
     response.wait_for_readers(timeout=300)
     response.write(encoder.encode(WorkerReply(ok=True)))
     methods = {"execute_model": worker.execute_model}
+    slot = worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank)
+
+    def beat() -> None:
+        # The heartbeat ticks from the loop itself: after every call, and from the ring's
+        # deep sleep when idle, so no extra thread wakes up on an idle server.
+        if heartbeats is not None:
+            heartbeats.tick(slot)
+
     try:
         while True:
-            call: WorkerCall = CALL_DECODER.decode(broadcast.read())
+            beat()
+            call: WorkerCall = CALL_DECODER.decode(broadcast.read(on_idle=beat))
             if call.method == "shutdown":
                 return
             try:

@@ -22,6 +22,8 @@ from aserve.launch.process_utils import exit_with_parent, ignore_termination, se
 
 logger = logging.getLogger("aserve.api_server")
 
+DEAD_ENGINE_GRACE = 2.0  # seconds a server with a dead engine keeps answering 503
+
 
 @dataclass(frozen=True)
 class ApiServerConfig:
@@ -90,9 +92,12 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
             stop_server.set()
 
         async def watch_engine() -> None:
-            # By default the whole server goes down with its engine.
+            # By default the whole server goes down with its engine, after a short grace
+            # in which /health and every request answer 503, so probes and clients see
+            # why rather than a refused connection.
             await engine.dead_event.wait()
-            logger.error("the engine died; shutting down")
+            logger.error("the engine died; shutting down in %.0f s", DEAD_ENGINE_GRACE)
+            await anyio.sleep(DEAD_ENGINE_GRACE)
             stop_server.set()
 
         if cfg.loop == "trio":

@@ -21,7 +21,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from aserve.api.server import ApiServerConfig, run_api_server
+from aserve.api.server import DEAD_ENGINE_GRACE, ApiServerConfig, run_api_server
 from aserve.engine.core_process import EngineCoreProcConfig, run_engine_core
 from aserve.frontend.async_llm import EngineAttachment, engine_addresses, make_engine_config
 from aserve.launch.heartbeat import create_segment, segment_name
@@ -111,6 +111,9 @@ def _run_tree(cfg: ApiServerConfig, host: str, port: int, instance_id: str, inst
         return 0
     died = [p for p in children if p.exitcode is not None]
     logger.error("%s exited (code %s); stopping the server", died[0].name, died[0].exitcode)
+    if api.exitcode is None:
+        # The API server saw it too: let it answer 503 for its grace period and exit.
+        api.join(DEAD_ENGINE_GRACE + 10)
     for proc in children:
         _stop(proc, 30)
     return 1

@@ -104,6 +104,7 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
             from hypercorn.trio import serve as hypercorn_serve
         else:
             from hypercorn.asyncio import serve as hypercorn_serve
+
         async def run_http(scope: anyio.CancelScope) -> None:
             # In a task of its own: Hypercorn's asyncio server cancels tasks with plain
             # asyncio calls, which must not reach the task that owns the engine.

@@ -85,7 +85,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from aserve.api.server import ApiServerConfig
     from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
-    from aserve.frontend.llm import resolve_model_path
+    from aserve.frontend.engine_args import resolve_model_path
     from aserve.launch.supervisor import model_name, run_server
 
     if args.model is None:

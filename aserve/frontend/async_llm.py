@@ -39,12 +39,12 @@ import anyio.to_thread
 import msgspec
 import zmq
 
-from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
 from aserve.engine.core_process import READY_FRAME, EngineCoreProcConfig, run_engine_core
 from aserve.engine.engine_core import fit_config
 from aserve.errors import EngineDeadError, InvalidInputError
 from aserve.frontend.input_processor import InputProcessor, PromptType
-from aserve.frontend.llm import resolve_model_path
+from aserve.frontend.engine_args import make_engine_config
 from aserve.launch.heartbeat import DEFAULT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
 from aserve.launch.heartbeat import INTERVAL as HEARTBEAT_INTERVAL
 from aserve.launch.heartbeat import HeartbeatMonitor, HeartbeatTable, engine_slot, segment_name, worker_slot
@@ -86,28 +86,6 @@ def engine_addresses(instance_dir: str) -> tuple[str, str]:
     return f"ipc://{instance_dir}/input", f"ipc://{instance_dir}/output"
 
 
-def make_engine_config(
-    model: str | None = None,
-    *,
-    tensor_parallel_size: int = 1,
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    seed: int = 0,
-    kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
-    block_size: int = 16,
-    enable_prefix_caching: bool = True,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
-) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
-        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                          enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-    )
-
-
 class AsyncLLM:
     def __init__(
         self,
@@ -137,10 +115,7 @@ class AsyncLLM:
         self._heartbeats: HeartbeatTable | None = None
         self._fitted = fit_config(self.config)  # bad directories and settings fail here, in the caller
         self.tokenizer = Tokenizer(Path(self.config.model.model))
-        arch = self._fitted.arch
-        eos = arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.input_processor = InputProcessor(self.tokenizer, max_model_len=self._fitted.config.max_model_len,
-                                              vocab_size=arch.vocab_size, eos_token_ids=eos)
+        self.input_processor = InputProcessor.for_model(self._fitted, self.tokenizer)
         self._processor = OutputProcessor()
         self._streams: dict[str, Any] = {}
         self._pending_calls: dict[int, list[Any]] = {}

@@ -28,6 +28,14 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
 
+    @classmethod
+    def for_model(cls, fitted: Any, tokenizer: Tokenizer) -> InputProcessor:
+        """For a fitted engine config (``engine_core.FittedConfig``): its limits, and the
+        EOS ids of generation_config.json (the tokenizer's EOS when it names none)."""
+        arch = fitted.arch
+        eos = arch.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+        return cls(tokenizer, max_model_len=fitted.config.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos)
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids), validated."""
         if isinstance(prompt, dict):

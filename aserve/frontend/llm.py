@@ -25,26 +25,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from aserve.engine.engine_core import EngineCore, fit_config
-from aserve.envs import read_env
 from aserve.errors import InvalidInputError
 from aserve.executor.in_process import InProcessExecutor
 from aserve.executor.multiproc import MultiprocExecutor
+from aserve.frontend.engine_args import make_engine_config
 from aserve.frontend.input_processor import InputProcessor, PromptType
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
 from aserve.launch.process_utils import cleanup_instance
-from aserve.model_builder import ensure_default_model
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 from aserve.tokenizer import Tokenizer
-
-
-def resolve_model_path(model: str | None) -> str:
-    """The model directory; the embedded default model (built on first use) when None."""
-    if model is None:
-        return str(ensure_default_model(read_env().cache_dir))
-    return model
 
 
 class LLM:
@@ -64,14 +56,11 @@ class LLM:
         long_prefill_token_threshold: int | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
-            ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        config = make_engine_config(
+            model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
         )
         fitted = fit_config(config)
         self.tokenizer = Tokenizer(Path(config.model.model))
@@ -97,11 +86,7 @@ class LLM:
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _shutdown, self.engine, *self._instance)
         self.config = self.engine.config
-        arch = fitted.arch
-        eos = arch.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len=self.config.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos
-        )
+        self.input_processor = InputProcessor.for_model(fitted, self.tokenizer)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from aserve.api.server import DEAD_ENGINE_GRACE, ApiServerConfig, run_api_server
 from aserve.engine.core_process import EngineCoreProcConfig, run_engine_core
-from aserve.frontend.async_llm import EngineAttachment, engine_addresses, make_engine_config
+from aserve.frontend.async_llm import EngineAttachment, engine_addresses
+from aserve.frontend.engine_args import make_engine_config
 from aserve.launch.heartbeat import create_segment, segment_name
 from aserve.launch.process_utils import cleanup_instance, ignore_termination, set_process_title, skip_resource_tracker
 

@@ -1,0 +1,50 @@
+"""From the keyword arguments users pass (``LLM(...)``, ``AsyncLLM(...)``, CLI flags) to
+one validated ``EngineConfig``."""
+
+from __future__ import annotations
+
+from aserve.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from aserve.envs import read_env
+from aserve.model_builder import ensure_default_model
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The model directory; the embedded default model (built on first use) when None."""
+    if model is None:
+        return str(ensure_default_model(read_env().cache_dir))
+    return model
+
+
+def make_engine_config(
+    model: str | None = None,
+    *,
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    seed: int = 0,
+    kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int | None = None,
+) -> EngineConfig:
+    """Raises ``ConfigError`` (naming the field) for an invalid value."""
+    return EngineConfig(
+        model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
+        ),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+    )

@@ -37,6 +37,7 @@ import zmq
 
 from aserve.config import EngineConfig
 from aserve.engine.engine_core import EngineCore, fit_config
+from aserve.envs import read_env
 from aserve.errors import AserveError, EngineDeadError
 from aserve.launch.heartbeat import Heartbeat, HeartbeatTable, engine_slot
 from aserve.launch.process_utils import (
@@ -46,8 +47,20 @@ from aserve.launch.process_utils import (
     interrupt_on_termination,
     set_process_title,
 )
-from aserve.wire.codec import ENGINE_CORE_DEAD, EngineReady, OutputsEncoder, RequestDecoder, RequestType, WireError
-from aserve.wire.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, UtilityOutput
+from aserve.wire.codec import (
+    ENGINE_CORE_DEAD,
+    EngineReady,
+    OutputsEncoder,
+    RequestDecoder,
+    RequestType,
+    WireError,
+)
+from aserve.wire.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    UtilityOutput,
+)
 from aserve.wire.zmq_anyio import AsyncSocket
 
 logger = logging.getLogger("aserve.engine_core")
@@ -76,7 +89,7 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     set_process_title(f"aserve::engine_core_{cfg.engine_index}")
     interrupt_on_termination()  # until the busy loop exists: interrupts start-up, cleanly
     exit_with_parent()
-    logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=read_env().log_level,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     code = 0
     heartbeat = table = None

@@ -11,7 +11,6 @@ exit path, and exits when its parent does.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import zmq
 from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from aserve.distributed.tp_group import TPGroup
+from aserve.envs import read_env
 from aserve.executor.messages import CALL_DECODER, WorkerCall, WorkerReply
 from aserve.launch.heartbeat import HeartbeatTable, worker_slot
 from aserve.launch.process_utils import (
@@ -60,7 +60,7 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     set_process_title(worker_title(cfg))
     interrupt_on_termination()
     exit_with_parent()
-    logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=read_env().log_level,
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     import torch
 

@@ -21,14 +21,14 @@ def ring_names(tmp_path):
     return f"aserve_test_{token}", f"ipc://{tmp_path}/side-{token}"
 
 
-def make_writer(names, n_readers, ctx):
+def make_writer(names, n_readers, ctx, chunks=CHUNKS, **kwargs):
     return ShmRingWriter(names[0], n_readers, side_channel_address=names[1], zmq_context=ctx,
-                         max_chunks=CHUNKS, max_chunk_bytes=CHUNK_BYTES)
+                         max_chunks=chunks, max_chunk_bytes=CHUNK_BYTES, **kwargs)
 
 
-def make_reader(names, rank, n_readers, ctx):
+def make_reader(names, rank, n_readers, ctx, chunks=CHUNKS):
     return ShmRingReader(names[0], rank, n_readers, side_channel_address=names[1], zmq_context=ctx,
-                         max_chunks=CHUNKS, max_chunk_bytes=CHUNK_BYTES)
+                         max_chunks=chunks, max_chunk_bytes=CHUNK_BYTES)
 
 
 def message(i: int) -> bytes:
@@ -134,12 +134,8 @@ def test_message_larger_than_a_chunk(ring_names):
 
 def test_blocked_writer_names_the_reader_behind(ring_names, caplog):
     ctx = zmq.Context()
-    writer = ShmRingWriter(ring_names[0], 2, side_channel_address=ring_names[1], zmq_context=ctx,
-                           max_chunks=1, max_chunk_bytes=CHUNK_BYTES, warn_after=0.05)
-    fast = ShmRingReader(ring_names[0], 0, 2, side_channel_address=ring_names[1], zmq_context=ctx,
-                         max_chunks=1, max_chunk_bytes=CHUNK_BYTES)
-    slow = ShmRingReader(ring_names[0], 1, 2, side_channel_address=ring_names[1], zmq_context=ctx,
-                         max_chunks=1, max_chunk_bytes=CHUNK_BYTES)
+    writer = make_writer(ring_names, 2, ctx, chunks=1, warn_after=0.05)
+    fast, slow = make_reader(ring_names, 0, 2, ctx, chunks=1), make_reader(ring_names, 1, 2, ctx, chunks=1)
     writer.wait_for_readers(timeout=10)
     try:
         writer.write(b"one")

@@ -79,7 +79,6 @@ class EngineCoreProcConfig:
     output_addresses: tuple[str, ...]  # each API server's PULL
     instance_dir: str  # this server instance's private directory (IPC files)
     instance_id: str  # prefix of every shared-memory segment of this instance
-    use_worker_processes: bool = True
     heartbeat_name: str | None = None  # the instance's heartbeat segment (see aserve.launch.heartbeat)
 
 
@@ -115,14 +114,12 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
 
 
 def _make_executor_factory(cfg: EngineCoreProcConfig) -> Callable[[EngineConfig], Any]:
-    if cfg.use_worker_processes:
-        from aserve.executor.multiproc import MultiprocExecutor
+    # The model never runs in the engine core's process (DESIGN §1), at any TP size, so
+    # scheduling overlaps the forward pass.
+    from aserve.executor.multiproc import MultiprocExecutor
 
-        return lambda config: MultiprocExecutor(config, instance_dir=cfg.instance_dir, instance_id=cfg.instance_id,
-                                                dp_rank=cfg.engine_index, heartbeat_name=cfg.heartbeat_name)
-    from aserve.executor.in_process import InProcessExecutor
-
-    return InProcessExecutor
+    return lambda config: MultiprocExecutor(config, instance_dir=cfg.instance_dir, instance_id=cfg.instance_id,
+                                            dp_rank=cfg.engine_index, heartbeat_name=cfg.heartbeat_name)
 
 
 class _Shutdown:

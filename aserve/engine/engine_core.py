@@ -135,10 +135,6 @@ class EngineCore:
     def ping(self) -> str:
         return "pong"
 
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.kv.usage
-
     def get_stats(self) -> dict[str, float]:
         """Counts for tests, health and metrics (a UTILITY call)."""
         return {

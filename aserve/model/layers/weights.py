@@ -29,21 +29,6 @@ class TensorSource(Protocol):
         ...
 
 
-class InMemorySource:
-    """A ``TensorSource`` over a tensor already in memory (tests, converted weights)."""
-
-    def __init__(self, name: str, tensor: torch.Tensor) -> None:
-        self.name = name
-        self._tensor = tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self._tensor.shape)
-
-    def read(self, *slices: slice) -> torch.Tensor:
-        return self._tensor[slices] if slices else self._tensor
-
-
 WeightLoader = Callable[..., None]
 
 

@@ -68,11 +68,34 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism inside each engine; data parallelism across engines.
+
+    Each of the ``data_parallel_size`` engines of a dense model is independent (DP size 1
+    inside it); ``data_parallel_size_local`` of them run on this node (default: all).
+    """
+
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size must be >= 1", param="tensor_parallel_size")
+        if self.data_parallel_size < 1:
+            raise ConfigError("data_parallel_size must be >= 1", param="data_parallel_size")
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= self.data_parallel_size:
+            raise ConfigError("data_parallel_size_local must be in [0, data_parallel_size]",
+                              param="data_parallel_size_local")
+
+    @property
+    def local_engines(self) -> int:
+        return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+
+    @property
+    def local_world_size(self) -> int:
+        """Worker processes on this node: they share its cores."""
+        return max(1, self.local_engines) * self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ variable               meaning                                              defa
 =====================  ===================================================  =======================
 ``ASERVE_CACHE_DIR``   where the embedded default model is built            ``~/.cache/aserve``
 ``ASERVE_LOG_LEVEL``   log level of aserve's loggers                        ``INFO``
+``ASERVE_DP_SECRET``   shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
 =====================  ===================================================  =======================
 
 Read them through :func:`read_env`, once, at the edge (the CLI or a constructor), and
@@ -22,6 +23,7 @@ from pathlib import Path
 class Env:
     cache_dir: Path
     log_level: str
+    dp_secret: str | None = None
 
 
 def read_env(environ: dict[str, str] | None = None) -> Env:
@@ -30,4 +32,5 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
     return Env(
         cache_dir=Path(environ.get("ASERVE_CACHE_DIR", default_cache)).expanduser(),
         log_level=environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
+        dp_secret=environ.get("ASERVE_DP_SECRET") or None,
     )

@@ -12,13 +12,17 @@
     │   ├── UnsupportedArchitectureError
     │   ├── ModelFileNotFoundError (also FileNotFoundError)
     │   └── CorruptModelFileError
-    └── EngineDeadError: an engine process died; nothing more will be served
+    ├── EngineDeadError: an engine process died; nothing more will be served
+    └── HandshakeRefusedError: a headless node was refused by the front end
 
 An ``InvalidInputError`` never leaves the engine in a bad state: the object that raised
 it stays usable. Each message says what to change.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 
 class AserveError(Exception):
@@ -70,3 +74,21 @@ class CorruptModelFileError(ModelLoadError):
 
 class EngineDeadError(AserveError):
     """An engine process died or stopped answering; every request in flight fails."""
+
+
+class HandshakeRefusedError(AserveError):
+    """The front-end node refused a headless node: a wrong DP secret, or settings that
+    do not match the front end's (DP size, TP size, model, ranks)."""
+
+
+@contextlib.contextmanager
+def unwrap_errors() -> Iterator[None]:
+    """Re-raise an ``AserveError`` that a task group wrapped in an exception group, so
+    callers (and the app's handlers: 400 for bad input, 503 for a dead engine) see it."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        for exc in group.exceptions:
+            if isinstance(exc, AserveError):
+                raise exc from None
+        raise

@@ -228,7 +228,7 @@ async def test_a_stopped_worker_is_dead_after_the_heartbeat_timeout(llama_dir):
             await llm.dead_event.wait()
         # Healthy idle workers tick at least every 5 s, so an 8 s timeout catches only the hung one.
         assert 8.0 <= time.monotonic() - start < 16
-        with pytest.raises(EngineDeadError, match="worker tp0 stopped responding"):
+        with pytest.raises(EngineDeadError, match="worker tp0 of engine 0 stopped responding"):
             await llm.check_health()
     assert not any(alive(p) for p in [engine, *workers])
     assert leftovers(*instance) == []

@@ -103,18 +103,38 @@ class _Handler:
 
     # -- shared generation loop ----------------------------------------------------------------
 
+    def dp_rank(self, request: Request, req: Any) -> int | None:
+        """The engine a request pins: the body's ``data_parallel_rank`` or vLLM's
+        ``X-data-parallel-rank`` header; a 400 when out of range."""
+        rank = req.data_parallel_rank
+        header = request.headers.get("x-data-parallel-rank")
+        if rank is None and header is not None:
+            try:
+                rank = int(header)
+            except ValueError:
+                raise InvalidInputError("X-data-parallel-rank must be an integer", param="data_parallel_rank") from None
+        if rank is not None and not 0 <= rank < self.engine.num_engines:
+            raise InvalidInputError(f"data_parallel_rank must be in [0, {self.engine.num_engines}), got {rank}",
+                                    param="data_parallel_rank")
+        return rank
+
     async def run_prompts(self, tokenized: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int,
-                          on_output: Any) -> None:
+                          on_output: Any, data_parallel_rank: int | None = None) -> None:
         """Generate every prompt concurrently; ``on_output(prompt_index, RequestOutput)`` per delta.
-        Cancelling the caller aborts them all."""
-        metrics, engine_label = self.state.metrics, self.state.metrics.engine
+        Cancelling the caller aborts them all. Metrics are labelled with the serving engine."""
+        metrics = self.state.metrics
 
         async def one(i: int, text: str | None, ids: list[int]) -> None:
             start = last = time.monotonic()
             first = True
-            metrics.prompt_tokens.labels(engine_label).inc(len(ids))
+            request_id = f"{uuid.uuid4().hex}-{i}"
+            engine_label = "0"
             async for out in self.engine.generate({"prompt": text, "prompt_token_ids": ids}, params,
-                                                  request_id=f"{uuid.uuid4().hex}-{i}", priority=priority):
+                                                  request_id=request_id, priority=priority,
+                                                  data_parallel_rank=data_parallel_rank):
+                if first:
+                    engine_label = str(self.engine.engine_for(request_id))
+                    metrics.prompt_tokens.labels(engine_label).inc(len(ids))
                 now = time.monotonic()
                 if first and "queue_time" in out.metrics:
                     metrics.queue_time.labels(engine_label).observe(out.metrics["queue_time"])
@@ -189,7 +209,7 @@ class _Handler:
                         await write(sse_event(self._completion_chunk(rid, created, model, choice.index, c.text, lps,
                                                                      c.finish_reason)))
 
-                await self.run_prompts(tokenized, params, req.priority, on_output)
+                await self.run_prompts(tokenized, params, req.priority, on_output, self.dp_rank(request, req))
                 if req.include_usage:
                     await write(sse_event({"id": rid, "object": "text_completion", "created": created, "model": model,
                                            "choices": [], "usage": self._usage(usage)}))
@@ -207,7 +227,7 @@ class _Handler:
                     if c.finish_reason is not None:
                         choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
 
-            await self.run_prompts(tokenized, params, req.priority, on_output)
+            await self.run_prompts(tokenized, params, req.priority, on_output, self.dp_rank(request, req))
             body_choices = []
             for choice in choices:
                 text, ids = tokenized[choice.index // n]
@@ -285,7 +305,7 @@ class _Handler:
                         if c.finish_reason is not None:
                             await write(chunk(c.index, {}, c.finish_reason))
 
-                await self.run_prompts(tokenized, params, req.priority, on_output)
+                await self.run_prompts(tokenized, params, req.priority, on_output, self.dp_rank(request, req))
                 if req.include_usage:
                     await write(sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
                                            "model": model, "choices": [], "usage": self._usage(usage)}))
@@ -303,7 +323,7 @@ class _Handler:
                     if c.finish_reason is not None:
                         choice.finish_reason = c.finish_reason
 
-            await self.run_prompts(tokenized, params, req.priority, on_output)
+            await self.run_prompts(tokenized, params, req.priority, on_output, self.dp_rank(request, req))
             usage["completion_tokens"] = sum(len(c.token_ids) for c in choices)
             return 200, {"id": rid, "object": "chat.completion", "created": created, "model": model,
                          "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -357,7 +377,8 @@ class _Handler:
         if not self.engine.is_dead:
             try:
                 with anyio.fail_after(5):
-                    self.state.metrics.observe_stats(await self.engine.get_stats())
+                    for engine in range(self.engine.num_engines):
+                        self.state.metrics.observe_stats(engine, await self.engine.get_stats(engine))
             except (EngineDeadError, TimeoutError):
                 pass
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4")

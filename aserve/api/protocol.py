@@ -47,6 +47,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    data_parallel_rank: int | None = None  # pin an engine (also the X-data-parallel-rank header)
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; InvalidSamplingParamsError names a bad field."""

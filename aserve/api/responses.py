@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import contextlib
-from collections.abc import Iterator
 
 import anyio
 import msgspec
 
-from aserve.errors import AserveError, EngineDeadError
+from aserve.errors import AserveError, EngineDeadError, unwrap_errors
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -31,19 +29,6 @@ def sse_event(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-@contextlib.contextmanager
-def unwrap_errors() -> Iterator[None]:
-    """Re-raise an ``AserveError`` that a task group wrapped in an exception group, so the
-    app's handlers (400 for bad input, 503 for a dead engine) still see it."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        for exc in group.exceptions:
-            if isinstance(exc, AserveError):
-                raise exc from None
-        raise
 
 
 class _WatchedResponse:

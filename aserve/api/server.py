@@ -1,7 +1,7 @@
 """The API-server process: an ``AsyncLLM``, the Starlette app, and Hypercorn on the
 listening socket the supervisor bound.
 
-Shutdown (SIGTERM/SIGINT): ``/ready`` turns 503 and new requests get 503 at once;
+Shutdown (SIGTERM from the supervisor; SIGINT is ignored, see ``interrupt_on_termination``): ``/ready`` turns 503 and new requests get 503 at once;
 requests in flight may finish until ``shutdown_timeout``; then Hypercorn stops, which
 cancels what is left (aborting it in the engine), and the engine processes are stopped.
 """
@@ -40,20 +40,28 @@ class ApiServerConfig:
 
 
 class _InFlight:
-    """Counts HTTP requests in progress, so a drain can wait for zero."""
+    """Counts HTTP requests in progress, so a drain can wait for zero, and names the API
+    server that answered in an ``x-aserve-api-server`` header (several share the port)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, index: int) -> None:
         self.app = app
         self.count = 0
         self.idle = anyio.Event()
+        self._header = (b"x-aserve-api-server", str(index).encode())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self._header]
+            await send(message)
+
         self.count += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_with_header)
         finally:
             self.count -= 1
             if self.count == 0:
@@ -67,7 +75,7 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
 
     async with AsyncLLM(**cfg.engine_kwargs, attach=cfg.attach) as engine:
         state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
-        app = _InFlight(build_app(state))
+        app = _InFlight(build_app(state), cfg.index)
         config = Config()
         config.bind = [f"fd://{sock.fileno()}"]
         config.graceful_timeout = cfg.shutdown_timeout
@@ -79,7 +87,7 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
         stop_server = anyio.Event()
 
         async def drain_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with anyio.open_signal_receiver(signal.SIGTERM) as signals:
                 async for _ in signals:
                     break
             ignore_termination()  # one drain: a second signal must not cut it (or the cleanup) short
@@ -125,6 +133,7 @@ def run_api_server(cfg: ApiServerConfig, sock: socket.socket) -> None:
     """Process entry point (a ``spawn`` target); ``sock`` is already listening."""
     set_process_title(f"aserve::api_server_{cfg.index}")
     exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's: it drains us with SIGTERM
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     backend = "trio" if cfg.loop == "trio" else "asyncio"
     options = {"use_uvloop": True} if cfg.loop == "uvloop" else {}

@@ -11,9 +11,12 @@
 
 The input and output tasks run in the process's anyio event loop; the busy loop runs
 in a worker thread because a model step blocks. Only the busy loop touches the
-``EngineCore``. Every exit path closes the sockets and shuts the executor down (which
-removes its shared memory); an exit caused by an error first sends
-``ENGINE_CORE_DEAD`` to every API server, so their requests fail at once.
+``EngineCore``. Every exit path sends ``ENGINE_CORE_DEAD`` to every API server as the
+engine's last message (so their requests fail at once, even across machines), closes
+the sockets and shuts the executor down (which removes its shared memory).
+
+With a DP coordinator, the busy loop also sends the engine's (waiting, running, KV
+usage) to it (client index -1) whenever the counts change.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from aserve.launch.process_utils import (
     interrupt_on_termination,
     set_process_title,
 )
+from aserve.wire.auth import secure_client
 from aserve.wire.codec import (
     ENGINE_CORE_DEAD,
     EngineReady,
@@ -59,6 +63,7 @@ from aserve.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
+    SchedulerStats,
     UtilityOutput,
 )
 from aserve.wire.zmq_anyio import AsyncSocket
@@ -66,6 +71,8 @@ from aserve.wire.zmq_anyio import AsyncSocket
 logger = logging.getLogger("aserve.engine_core")
 
 READY_FRAME = b"READY"
+#: The client index of the DP coordinator (DESIGN §2: load figures go to client -1).
+COORDINATOR = -1
 
 #: Engine-core methods a UTILITY call may name. Nothing else is callable from the wire.
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "ping"})
@@ -80,6 +87,9 @@ class EngineCoreProcConfig:
     instance_dir: str  # this server instance's private directory (IPC files)
     instance_id: str  # prefix of every shared-memory segment of this instance
     heartbeat_name: str | None = None  # the instance's heartbeat segment (see aserve.launch.heartbeat)
+    coordinator_input: str | None = None  # the DP coordinator's ROUTER (START_DP_WAVE); None: no coordinator
+    coordinator_stats: str | None = None  # the DP coordinator's PULL: load figures go there (client index -1)
+    secret: bytes | None = None  # CURVE for tcp:// addresses (see aserve.wire.auth)
 
 
 def run_engine_core(cfg: EngineCoreProcConfig) -> None:
@@ -129,9 +139,13 @@ class _Shutdown:
 class _BusyLoop:
     """The loop that owns the ``EngineCore``; runs in a thread, talks through queues."""
 
-    def __init__(self, core: EngineCore, engine_index: int, emit: Callable[[int, EngineCoreOutputs], None]) -> None:
+    def __init__(self, core: EngineCore, engine_index: int, emit: Callable[[int, EngineCoreOutputs], None],
+                 *, publish_counts: bool = False) -> None:
         self.core = core
         self.engine_index = engine_index
+        self.publish_counts = publish_counts
+        self.current_wave = 0
+        self._last_counts: tuple[int, int] | None = None
         self.inputs: queue.SimpleQueue = queue.SimpleQueue()
         self.aborts: queue.SimpleQueue = queue.SimpleQueue()
         self._emit = emit
@@ -160,6 +174,16 @@ class _BusyLoop:
                     break
             if outputs:
                 self._publish(outputs)
+            if self.publish_counts:
+                self._publish_counts()
+
+    def _publish_counts(self) -> None:
+        scheduler = self.core.scheduler
+        counts = (scheduler.num_waiting, scheduler.num_running)
+        if counts != self._last_counts:
+            self._last_counts = counts
+            stats = SchedulerStats(scheduler.num_running, scheduler.num_waiting, self.core.kv.usage)
+            self._emit(COORDINATOR, EngineCoreOutputs(self.engine_index, scheduler_stats=stats))
 
     def _handle(self, item: tuple, outputs: list[EngineCoreOutput]) -> None:
         kind = item[0]
@@ -178,6 +202,10 @@ class _BusyLoop:
             except Exception as exc:  # the caller gets the error; the engine goes on
                 reply = UtilityOutput(call.call_id, None, f"{type(exc).__name__}: {exc}")
             self._emit(call.client_index, EngineCoreOutputs(self.engine_index, utility_output=reply))
+        elif kind == "wave":
+            # Dense engines are not in lockstep: the wave is only recorded (MoE would
+            # start a wave of dummy steps here).
+            self.current_wave = max(self.current_wave, item[1].wave)
         elif kind == "reject":
             _, request_id, client = item
             self._client_of[request_id] = client
@@ -201,6 +229,7 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
     ctx = zmq.Context()
     dealers: list[AsyncSocket] = []
     pushes: list[AsyncSocket] = []
+    stats_push: AsyncSocket | None = None
     loop: _BusyLoop | None = None
     failed = True
     try:
@@ -209,21 +238,27 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
         gc.collect()
         gc.freeze()
         identity = cfg.engine_index.to_bytes(2, "little")
-        for address in cfg.input_addresses:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, identity)
+
+        def connect(kind: int, address: str) -> AsyncSocket:
+            sock = ctx.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
+            if kind == zmq.DEALER:
+                sock.setsockopt(zmq.ROUTING_ID, identity)
+            if address.startswith("tcp://"):
+                secure_client(sock, cfg.secret)
             sock.connect(address)
-            dealers.append(AsyncSocket(sock))
-        for address in cfg.output_addresses:
-            sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 2000)  # let ENGINE_CORE_DEAD reach the API servers
-            sock.connect(address)
-            pushes.append(AsyncSocket(sock))
+            return AsyncSocket(sock)
+
+        dealers = [connect(zmq.DEALER, address) for address in cfg.input_addresses]
+        pushes = [connect(zmq.PUSH, address) for address in cfg.output_addresses]
+        if cfg.coordinator_stats is not None:
+            stats_push = connect(zmq.PUSH, cfg.coordinator_stats)
+        if cfg.coordinator_input is not None:
+            dealers.append(connect(zmq.DEALER, cfg.coordinator_input))
         ready = EngineReady(cfg.engine_index, core.config.max_model_len, core.config.cache.num_blocks or 0,
                             core.config.cache.block_size, core.kv_capacity_tokens)
         ready_body = msgspec.msgpack.encode(ready)
-        for dealer in dealers:
+        for dealer in dealers[:len(cfg.input_addresses)]:
             await dealer.send_multipart([READY_FRAME, ready_body])
 
         send_outputs, receive_outputs = anyio.create_memory_object_stream[tuple[int, EngineCoreOutputs]](float("inf"))
@@ -231,7 +266,7 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
         def emit(client: int, outputs: EngineCoreOutputs) -> None:
             anyio.from_thread.run_sync(send_outputs.send_nowait, (client, outputs))
 
-        loop = _BusyLoop(core, cfg.engine_index, emit)
+        loop = _BusyLoop(core, cfg.engine_index, emit, publish_counts=stats_push is not None)
 
         async def input_task(sock: AsyncSocket, client: int) -> None:
             decoder = RequestDecoder()
@@ -253,21 +288,24 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
                     loop.aborts.put(body)
                 elif kind is RequestType.UTILITY:
                     loop.inputs.put(("utility", body))
+                elif kind is RequestType.START_DP_WAVE:
+                    loop.inputs.put(("wave", body))
 
         async def output_task() -> None:
             encoder = OutputsEncoder()
             async with receive_outputs:
                 async for client, outputs in receive_outputs:
+                    sock = stats_push if client == COORDINATOR else pushes[client]
                     # copy=True: zmq copies the bytes, so the encoder may reuse its buffer.
-                    await pushes[client].send_multipart([encoder.encode(outputs)], copy=True)
+                    await sock.send_multipart([encoder.encode(outputs)], copy=True)
 
-        # SIGTERM/SIGINT (from the parent, or the kernel when the parent dies, possibly
-        # more than once) ask the busy loop to stop; cleanup then runs to the end.
+        # SIGTERM (from the parent, or the kernel when the parent dies, possibly more
+        # than once) asks the busy loop to stop; cleanup then runs to the end. SIGINT
+        # stays ignored (see interrupt_on_termination).
         def request_shutdown(signum: int, frame: object) -> None:
             loop.inputs.put(_Shutdown())
 
         signal.signal(signal.SIGTERM, request_shutdown)
-        signal.signal(signal.SIGINT, request_shutdown)
 
         async def watch_worker(rank: int, proc: Any) -> None:
             # A worker that dies while the engine is idle is noticed here, not only at
@@ -291,13 +329,16 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
         ignore_termination()  # a second SIGTERM must not cut the cleanup short
         if failed and loop is not None:
             loop.inputs.put(_Shutdown())  # release the busy loop's thread if it waits
-        if failed:
-            for push in pushes:
-                try:
-                    push.send_nowait([ENGINE_CORE_DEAD])
-                except zmq.ZMQError:
-                    pass
-        for sock in (*dealers, *pushes):
+        for push in pushes:  # the last message, on every exit path
+            try:
+                push.send_nowait([ENGINE_CORE_DEAD])
+            except zmq.ZMQError:
+                pass
+        for sock in dealers:
             sock.close()
+        if stats_push is not None:
+            stats_push.close()
+        for push in pushes:
+            push.close(linger=2000)  # let ENGINE_CORE_DEAD reach the API servers
         ctx.term()
         core.shutdown()

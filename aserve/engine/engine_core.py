@@ -93,6 +93,12 @@ class EngineCore:
             config.cache.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
+        # Totals since start, for metrics: the engine's own count of what it served, the
+        # same whichever API server asks.
+        self.num_requests_received = 0
+        self.num_requests_finished = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     def prepare_request(self, request: EngineCoreRequest) -> Request:
         """Validate and build the scheduler's request (its prompt block hashes too).
@@ -111,12 +117,21 @@ class EngineCore:
 
     def add_prepared(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        self.num_requests_received += 1
+        self.num_prompt_tokens += request.num_prompt_tokens
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.add_prepared(self.prepare_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        return self.scheduler.abort_requests(request_ids)
+        return self._count(self.scheduler.abort_requests(request_ids))
+
+    def _count(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        for out in outputs:
+            self.num_generation_tokens += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.num_requests_finished += 1
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -127,7 +142,7 @@ class EngineCore:
         if sched.is_empty and not sched.freed_req_ids:
             return []
         runner_output = self.executor.execute_model(sched)  # type: ignore[attr-defined]
-        return self.scheduler.update_from_output(sched, runner_output)
+        return self._count(self.scheduler.update_from_output(sched, runner_output))
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
@@ -144,6 +159,10 @@ class EngineCore:
             "num_free_blocks": self.kv.pool.num_free_blocks,
             "num_usable_blocks": self.kv.pool.num_usable_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_requests_received": self.num_requests_received,
+            "num_requests_finished": self.num_requests_finished,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
         }
 
     def shutdown(self) -> None:

@@ -6,9 +6,11 @@
         async for out in llm.generate("Hello", SamplingParams(max_tokens=32)):
             print(out.outputs[0].text)
 
-Entering the block starts one engine-core process (which starts one worker process per
-TP rank) and waits until the engine reports READY; leaving it, by any path, stops
-them and removes their shared memory and IPC files.
+Entering the block starts ``data_parallel_size`` engine-core processes (each starts one
+worker process per TP rank; with more than one, a DP coordinator process too) and waits
+until every engine reports READY; leaving it, by any path, stops them and removes their
+shared memory and IPC files. With several engines, each request goes to the engine
+with the lowest load score (``aserve.frontend.load_balancer``).
 
 Contracts:
 
@@ -40,11 +42,13 @@ import msgspec
 import zmq
 
 from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
-from aserve.engine.core_process import READY_FRAME, EngineCoreProcConfig, run_engine_core
+from aserve.engine.core_process import READY_FRAME
 from aserve.engine.engine_core import fit_config
-from aserve.errors import EngineDeadError, InvalidInputError
+from aserve.errors import EngineDeadError, InvalidInputError, unwrap_errors
 from aserve.frontend.input_processor import InputProcessor, PromptType
 from aserve.frontend.engine_args import make_engine_config
+from aserve.frontend.load_balancer import EngineLoad, LoadBalancer
+from aserve.launch.engines import create_heartbeats, spawn_coordinator, spawn_engine_cores
 from aserve.launch.heartbeat import DEFAULT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
 from aserve.launch.heartbeat import INTERVAL as HEARTBEAT_INTERVAL
 from aserve.launch.heartbeat import HeartbeatMonitor, HeartbeatTable, engine_slot, segment_name, worker_slot
@@ -55,6 +59,7 @@ from aserve.sampling_params import SamplingParams
 from aserve.tokenizer import Tokenizer
 from aserve.wire.codec import (
     ENGINE_CORE_DEAD,
+    DPLoads,
     EngineReady,
     RequestEncoder,
     RequestType,
@@ -62,6 +67,9 @@ from aserve.wire.codec import (
     WireError,
     decode_outputs,
 )
+from aserve.wire.addresses import WireAddresses, ipc_addresses
+from aserve.wire.auth import secure_server
+from aserve.wire.messages import EngineCoreOutputs
 from aserve.wire.zmq_anyio import AsyncSocket
 
 logger = logging.getLogger("aserve.async_llm")
@@ -69,21 +77,31 @@ logger = logging.getLogger("aserve.async_llm")
 
 @dataclass(frozen=True)
 class EngineAttachment:
-    """An engine core that someone else (the ``aserve run`` supervisor) started and owns.
+    """Engine cores that someone else (the ``aserve run`` supervisor) started and owns.
 
-    The ``AsyncLLM`` binds its sockets at the instance's addresses, waits for READY,
-    watches the engine through a pidfd, and leaves stopping it and removing the
-    instance's files to the owner.
+    The ``AsyncLLM`` binds this API server's sockets (``addresses``' entry
+    ``client_index``), waits for READY from every engine, watches the local ones through
+    pidfds (remote ones are watched by their own node, which reports their death), and
+    leaves stopping them and removing the instance's files to the owner.
     """
 
     instance_id: str
     instance_dir: str
-    engine_pid: int
+    addresses: WireAddresses
+    engine_pids: dict[int, int]  # DP rank -> pid of engines this API server watches itself
+    local_ranks: tuple[int, ...] = (0,)  # engines on this machine: their heartbeats are watched
+    client_index: int = 0
+    secret: bytes | None = None  # CURVE for tcp:// binds (multi-node)
+    report: Any = None  # a multiprocessing Connection that gets the bound endpoints (tcp port 0)
 
 
-def engine_addresses(instance_dir: str) -> tuple[str, str]:
-    """(requests address, outputs address) of an instance's single API server."""
-    return f"ipc://{instance_dir}/input", f"ipc://{instance_dir}/output"
+@dataclass
+class _Engine:
+    rank: int
+    identity: bytes
+    exit_fd: int | None = None  # readable once the process has exited; None: on another machine
+    process: mp.process.BaseProcess | None = None  # when this AsyncLLM started it
+    ready: EngineReady | None = None
 
 
 class AsyncLLM:
@@ -92,6 +110,7 @@ class AsyncLLM:
         model: str | None = None,
         *,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
@@ -105,13 +124,21 @@ class AsyncLLM:
         attach: EngineAttachment | None = None,
     ) -> None:
         self.config = make_engine_config(
-            model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            model, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, dtype=dtype,
+            max_model_len=max_model_len, seed=seed, kv_cache_memory=kv_cache_memory, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         self.startup_timeout = startup_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.attach = attach
+        self.num_engines = data_parallel_size
+        self.client_index = attach.client_index if attach is not None else 0
+        client_count = attach.addresses.api_count if attach is not None else 1
+        self._lb = LoadBalancer(self.num_engines, client_index=self.client_index, client_count=client_count)
+        self._engines = [_Engine(rank, rank.to_bytes(2, "little")) for rank in range(self.num_engines)]
+        self._engine_of: dict[str, int] = {}  # request id -> DP rank serving it
+        self._wave = 0
         self._heartbeats: HeartbeatTable | None = None
         self._fitted = fit_config(self.config)  # bad directories and settings fail here, in the caller
         self.tokenizer = Tokenizer(Path(self.config.model.model))
@@ -123,50 +150,76 @@ class AsyncLLM:
         self._encoder = RequestEncoder()
         self._dead: EngineDeadError | None = None
         self._stopping = False
-        self.engine_process: mp.process.BaseProcess | None = None
-        self.ready: EngineReady | None = None
+        self.coordinator_process: mp.process.BaseProcess | None = None
+        self._sockets: list[AsyncSocket] = []
 
     # -- lifetime -----------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncLLM:
         if self.attach is not None:
             self.instance_id, self.instance_dir = self.attach.instance_id, self.attach.instance_dir
+            addresses, secret = self.attach.addresses, self.attach.secret
         else:
             self.instance_id = f"aserve_{uuid.uuid4().hex[:12]}"
             self.instance_dir = tempfile.mkdtemp(prefix=f"{self.instance_id}-")
-        input_address, output_address = engine_addresses(self.instance_dir)
+            addresses = ipc_addresses(self.instance_dir, 1, coordinator=self.num_engines > 1)
+            secret = None
         self._ctx = zmq.Context()
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.bind(input_address)
-        pull = self._ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.bind(output_address)
-        self._router, self._pull = AsyncSocket(router), AsyncSocket(pull)
-        self.dead_event = anyio.Event()  # set when the engine dies or is shut down
+
+        def bind(kind: int, address: str) -> AsyncSocket:
+            sock = self._ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if kind == zmq.ROUTER:
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if address.startswith("tcp://"):
+                secure_server(sock, secret)
+            sock.bind(address)
+            wrapped = AsyncSocket(sock)
+            self._sockets.append(wrapped)
+            return wrapped
+
+        self._router = bind(zmq.ROUTER, addresses.api_inputs[self.client_index])
+        self._pull = bind(zmq.PULL, addresses.api_outputs[self.client_index])
+        self._sub: AsyncSocket | None = None
+        if addresses.coordinator_publish is not None:
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(addresses.coordinator_publish)
+            self._sub = AsyncSocket(sub)
+            self._sockets.append(self._sub)
+        if self.attach is not None and self.attach.report is not None:
+            self.attach.report.send([s.socket.last_endpoint.decode() for s in (self._router, self._pull)])
+        self.dead_event = anyio.Event()  # set when an engine dies or the engines are shut down
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         tp = self.config.parallel.tensor_parallel_size
         try:
             if self.attach is not None:
-                self._heartbeats = HeartbeatTable(segment_name(self.instance_id), 1 + tp, create=False)
-                self._engine_exit_fd = os.pidfd_open(self.attach.engine_pid)
+                self._heartbeats = HeartbeatTable(segment_name(self.instance_id),
+                                                  self.num_engines * (1 + tp), create=False)
+                for rank, pid in self.attach.engine_pids.items():
+                    self._engines[rank].exit_fd = os.pidfd_open(pid)
             else:
-                self._heartbeats = HeartbeatTable(segment_name(self.instance_id), 1 + tp, create=True)
-                cfg = EngineCoreProcConfig(
-                    engine=self.config, engine_index=0, input_addresses=(input_address,),
-                    output_addresses=(output_address,), instance_dir=self.instance_dir, instance_id=self.instance_id,
-                    heartbeat_name=segment_name(self.instance_id),
-                )
                 skip_resource_tracker()
-                self.engine_process = mp.get_context("spawn").Process(target=run_engine_core, args=(cfg,),
-                                                                      name="engine_core_0")
-                self.engine_process.start()
-                self._engine_exit_fd = self.engine_process.sentinel
+                name = create_heartbeats(self.instance_id, self.config, range(self.num_engines))
+                self._heartbeats = HeartbeatTable(name, self.num_engines * (1 + tp), create=False)
+                if self.num_engines > 1:
+                    self.coordinator_process = spawn_coordinator(self.num_engines, addresses)
+                procs = spawn_engine_cores(self.config, addresses, range(self.num_engines),
+                                           instance_id=self.instance_id, instance_dir=self.instance_dir,
+                                           heartbeat_name=name)
+                for rank, proc in procs.items():
+                    self._engines[rank].process, self._engines[rank].exit_fd = proc, proc.sentinel
             await self._wait_ready()
             self._tg.start_soon(self._output_loop)
-            self._tg.start_soon(self._watch_process)
+            if self._sub is not None:
+                self._tg.start_soon(self._load_loop)
+            for engine in self._engines:
+                if engine.exit_fd is not None:
+                    self._tg.start_soon(self._watch_process, engine)
+            if self.coordinator_process is not None:
+                self._tg.start_soon(self._watch_coordinator)
             self._tg.start_soon(self._watch_heartbeats)
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, exc.__traceback__)
@@ -174,19 +227,47 @@ class AsyncLLM:
         return self
 
     async def _wait_ready(self) -> None:
-        async def process_exit() -> None:
-            await anyio.wait_readable(self._engine_exit_fd)
-            raise EngineDeadError(f"the engine core exited ({self._exit_status()}) while starting")
+        async def process_exit(engine: _Engine) -> None:
+            await anyio.wait_readable(engine.exit_fd)
+            raise EngineDeadError(f"engine core {engine.rank} exited ({self._exit_status(engine)}) while starting")
 
-        with anyio.fail_after(self.startup_timeout):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(process_exit)
+        async def readiness(scope: anyio.CancelScope) -> None:
+            while any(e.ready is None for e in self._engines):
                 frames = await self._router.recv_multipart()
-                tg.cancel_scope.cancel()
-        if len(frames) != 3 or frames[1] != READY_FRAME:
-            raise EngineDeadError("the engine core's first message was not READY")
-        self.ready = msgspec.msgpack.decode(frames[2], type=EngineReady)
-        self._engine_identity = frames[0]
+                if len(frames) != 3 or frames[1] != READY_FRAME:
+                    raise EngineDeadError("an engine core's first message was not READY")
+                ready = msgspec.msgpack.decode(frames[2], type=EngineReady)
+                if not 0 <= ready.engine_index < self.num_engines or frames[0] != self._engines[ready.engine_index].identity:
+                    raise EngineDeadError(f"READY from an unexpected engine ({ready.engine_index})")
+                if ready.max_model_len != self.max_model_len:
+                    raise EngineDeadError(
+                        f"engine {ready.engine_index} fitted max_model_len {ready.max_model_len}, this front end "
+                        f"{self.max_model_len}: start every node with the same model and settings")
+                self._engines[ready.engine_index].ready = ready
+            scope.cancel()
+
+        with anyio.fail_after(self.startup_timeout), unwrap_errors():
+            async with anyio.create_task_group() as tg:
+                for engine in self._engines:
+                    if engine.exit_fd is not None:
+                        tg.start_soon(process_exit, engine)
+                tg.start_soon(readiness, tg.cancel_scope)
+
+    @property
+    def ready(self) -> EngineReady | None:
+        """Engine 0's READY once every engine has sent its own; None until then."""
+        if any(e.ready is None for e in self._engines):
+            return None
+        return self._engines[0].ready
+
+    @property
+    def engine_process(self) -> mp.process.BaseProcess | None:
+        """Engine core 0's process, when this AsyncLLM started it."""
+        return self._engines[0].process
+
+    @property
+    def engine_processes(self) -> list[mp.process.BaseProcess]:
+        return [e.process for e in self._engines if e.process is not None]
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._stopping = True
@@ -200,43 +281,54 @@ class AsyncLLM:
                 await self._stop_processes()
 
     async def _stop_processes(self) -> None:
-        proc = self.engine_process
-        if proc is not None and proc.exitcode is None:
-            proc.terminate()
+        procs = [*self.engine_processes, *([self.coordinator_process] if self.coordinator_process else [])]
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.terminate()
+        for proc in procs:
             await anyio.to_thread.run_sync(proc.join, 30)
             if proc.exitcode is None:
                 proc.kill()
                 await anyio.to_thread.run_sync(proc.join)
-        self._router.close()
-        self._pull.close()
+        for sock in self._sockets:
+            sock.close()
         self._ctx.term()
         self._fail(EngineDeadError("the engine was shut down"))
         if self._heartbeats is not None:
             self._heartbeats.close()
         if self.attach is not None:
-            if isinstance(getattr(self, "_engine_exit_fd", None), int):
-                os.close(self._engine_exit_fd)
-            return  # the owner stops the engine and removes the instance's files
+            for engine in self._engines:
+                if engine.exit_fd is not None:
+                    os.close(engine.exit_fd)
+            return  # the owner stops the engines and removes the instance's files
         cleanup_instance(self.instance_id, self.instance_dir)
 
     # -- background tasks ---------------------------------------------------------
 
-    def _exit_status(self) -> str:
-        if self.engine_process is None:
-            return "exit status unknown: not our child"
-        return f"exit code {self.engine_process.exitcode}"
+    def _exit_status(self, engine: _Engine) -> str:
+        if engine.process is None:
+            return "its supervisor has the exit code"
+        return f"exit code {engine.process.exitcode}"
 
-    async def _watch_process(self) -> None:
-        await anyio.wait_readable(self._engine_exit_fd)
+    async def _watch_process(self, engine: _Engine) -> None:
+        await anyio.wait_readable(engine.exit_fd)
         if not self._stopping:
-            self._fail(EngineDeadError(f"the engine core exited ({self._exit_status()})"))
+            self._fail(EngineDeadError(f"engine core {engine.rank} exited ({self._exit_status(engine)})"))
+
+    async def _watch_coordinator(self) -> None:
+        await anyio.wait_readable(self.coordinator_process.sentinel)
+        if not self._stopping:
+            self._fail(EngineDeadError(f"the DP coordinator exited (exit code {self.coordinator_process.exitcode})"))
 
     async def _watch_heartbeats(self) -> None:
         """A process that stops ticking for ``heartbeat_timeout`` counts as dead."""
         assert self._heartbeats is not None
         tp = self.config.parallel.tensor_parallel_size
-        slots = {engine_slot(0, tp): "the engine core"}
-        slots |= {worker_slot(0, tp, r): f"worker tp{r}" for r in range(tp)}
+        local = self.attach.local_ranks if self.attach is not None else range(self.num_engines)
+        slots = {}
+        for d in local:  # engines on other machines are watched by their own node
+            slots[engine_slot(d, tp)] = f"engine core {d}"
+            slots |= {worker_slot(d, tp, r): f"worker tp{r} of engine {d}" for r in range(tp)}
         monitor = HeartbeatMonitor(self._heartbeats, slots, self.heartbeat_timeout)
         while True:
             await anyio.sleep(HEARTBEAT_INTERVAL)
@@ -246,16 +338,32 @@ class AsyncLLM:
                                            f"{self.heartbeat_timeout:.0f} s)"))
                 return
 
+    async def _load_loop(self) -> None:
+        """The coordinator's published figures replace the load balancer's guesses."""
+        assert self._sub is not None
+        decoder = msgspec.msgpack.Decoder(DPLoads)
+        while True:
+            frames = await self._sub.recv_multipart()
+            try:
+                loads = decoder.decode(frames[0])
+                self._lb.update([EngineLoad(*x) for x in loads.loads])
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                logger.warning("dropped a malformed message from the coordinator: %s", exc)
+                continue
+            self._wave = loads.wave
+
     async def _output_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         while True:
             frames = await self._pull.recv_multipart()
             if frames[0] == ENGINE_CORE_DEAD:
-                self._fail(EngineDeadError("the engine core failed (ENGINE_CORE_DEAD)"))
+                if not self._stopping:
+                    self._fail(EngineDeadError("an engine core stopped (ENGINE_CORE_DEAD)"))
                 return
             try:
-                outputs = decode_outputs(frames[0])
+                outputs = decode_outputs(frames[0], decoder)
             except WireError as exc:
-                logger.warning("dropped a malformed message from the engine: %s", exc)
+                logger.warning("dropped a malformed message from an engine: %s", exc)
                 continue
             if outputs.utility_output is not None:
                 entry = self._pending_calls.pop(outputs.utility_output.call_id, None)
@@ -266,7 +374,7 @@ class AsyncLLM:
                 continue
             results, to_abort = self._processor.process(outputs.outputs)
             if to_abort:
-                self._send(RequestType.ABORT, to_abort)
+                self._send(RequestType.ABORT, to_abort, outputs.engine_index)
             for result in results:
                 stream = self._streams.get(result.request_id)
                 if stream is not None:
@@ -286,10 +394,19 @@ class AsyncLLM:
             entry[0].set()
         self._pending_calls.clear()
 
-    def _send(self, kind: RequestType, body: Any = None) -> None:
-        self._router.send_nowait([self._engine_identity, *self._encoder.encode(kind, body)])
+    def _send(self, kind: RequestType, body: Any, engine: int) -> None:
+        self._router.send_nowait([self._engines[engine].identity, *self._encoder.encode(kind, body)])
+
+    def _release(self, request_id: str) -> None:
+        engine = self._engine_of.pop(request_id, None)
+        if engine is not None:
+            self._lb.finished(engine)
 
     # -- public API -----------------------------------------------------------------
+
+    def engine_for(self, request_id: str) -> int | None:
+        """The DP rank of the engine serving a request in progress."""
+        return self._engine_of.get(request_id)
 
     @property
     def is_dead(self) -> bool:
@@ -310,12 +427,16 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative, delta or final-only per
         ``sampling_params.output_kind``) until it finishes.
 
-        Raises ``InvalidInputError`` for bad input (nothing is sent), ``EngineDeadError``
-        if the engine dies. Cancellation or closing the iterator aborts the request.
+        With several engines, the load balancer picks one (``data_parallel_rank`` pins
+        it); every ``n`` child of the request goes to the same engine, so they share
+        the prompt's cached blocks. Raises ``InvalidInputError`` for bad input (nothing
+        is sent), ``EngineDeadError`` if an engine dies. Cancellation or closing the
+        iterator aborts the request.
         """
         self._check_alive()
         params = sampling_params or SamplingParams()
@@ -324,16 +445,20 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidInputError(f"request id {request_id!r} is already in use", param="request_id")
+        engine = self._lb.pick(data_parallel_rank)
         state = RequestState(request_id, text, ids, params, self.tokenizer)
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         self._streams[request_id] = send
+        self._engine_of[request_id] = engine
         self._processor.add(state)
         finished = False
         try:
             for i in range(params.n):
                 request = self.input_processor.make_request(child_request_id(request_id, i, params.n), ids,
                                                             child_params(params, i), priority=priority)
-                self._send(RequestType.ADD, request)
+                request.client_index = self.client_index
+                request.current_wave = self._wave
+                self._send(RequestType.ADD, request, engine)
             async with receive:
                 async for item in receive:
                     if isinstance(item, BaseException):
@@ -344,19 +469,21 @@ class AsyncLLM:
                         return
         finally:
             self._streams.pop(request_id, None)
+            self._release(request_id)
             send.close()
             if not finished:
                 abandoned = self._processor.remove(request_id)
                 if abandoned is not None and self._dead is None and not self._stopping:
-                    self._send(RequestType.ABORT, abandoned.child_ids)
+                    self._send(RequestType.ABORT, abandoned.child_ids, engine)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its ``generate`` iterator ends with finish reason "abort"."""
         state = self._processor.remove(request_id)
         if state is None:
             return
-        if self._dead is None:
-            self._send(RequestType.ABORT, state.child_ids)
+        engine = self._engine_of.get(request_id)
+        if self._dead is None and engine is not None:
+            self._send(RequestType.ABORT, state.child_ids, engine)
         state.finish_all("abort")
         stream = self._streams.get(request_id)
         output = state.make_output()
@@ -364,23 +491,26 @@ class AsyncLLM:
             stream.send_nowait(output)
 
     async def check_health(self) -> None:
-        """Raise ``EngineDeadError`` if the engine is dead; return if it answers."""
+        """Raise ``EngineDeadError`` if any engine is dead; return once every one answers."""
         self._check_alive()
-        await self._call_utility("ping")
+        for engine in range(self.num_engines):
+            await self._call_utility("ping", engine=engine)
 
     async def reset_prefix_cache(self) -> None:
-        await self._call_utility("reset_prefix_cache")
+        for engine in range(self.num_engines):
+            await self._call_utility("reset_prefix_cache", engine=engine)
 
-    async def get_stats(self) -> dict[str, float]:
-        """The engine's counts: running, waiting, KV usage, free blocks."""
-        return await self._call_utility("get_stats")
+    async def get_stats(self, engine: int = 0) -> dict[str, float]:
+        """Engine ``engine``'s counts: running, waiting, KV usage, free blocks, and its
+        totals of finished requests and tokens."""
+        return await self._call_utility("get_stats", engine=engine)
 
-    async def _call_utility(self, method: str, *args: Any) -> Any:
+    async def _call_utility(self, method: str, *args: Any, engine: int = 0) -> Any:
         self._check_alive()
         call_id = next(self._call_ids)
         entry: list[Any] = [anyio.Event(), None]
         self._pending_calls[call_id] = entry
-        self._send(RequestType.UTILITY, UtilityRequest(0, call_id, method, list(args)))
+        self._send(RequestType.UTILITY, UtilityRequest(self.client_index, call_id, method, list(args)), engine)
         await entry[0].wait()
         result = entry[1]
         if isinstance(result, BaseException):

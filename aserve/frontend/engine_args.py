@@ -26,6 +26,8 @@ def make_engine_config(
     model: str | None = None,
     *,
     tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    data_parallel_size_local: int | None = None,
     dtype: str = "auto",
     max_model_len: int | None = None,
     seed: int = 0,
@@ -46,5 +48,6 @@ def make_engine_config(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
         ),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                                data_parallel_size_local=data_parallel_size_local),
     )

@@ -34,15 +34,20 @@ def exit_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def interrupt_on_termination() -> None:
-    """Turn the first SIGTERM/SIGINT into KeyboardInterrupt and ignore any after it, so
-    the cleanup that the interrupt unwinds through is not cut short."""
+    """For a child process: turn the first SIGTERM into KeyboardInterrupt and ignore any
+    after it, so the cleanup that the interrupt unwinds through is not cut short.
+
+    SIGINT is ignored: Ctrl-C in a terminal reaches every process of the foreground
+    group, and only the supervisor (or the application that owns an ``AsyncLLM``) may
+    act on it, so that a drain is not cut short by engines stopping on their own. A
+    child stops when its parent sends SIGTERM (or dies)."""
 
     def interrupt(signum: int, frame: object) -> None:
         ignore_termination()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def ignore_termination() -> None:

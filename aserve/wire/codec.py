@@ -58,6 +58,16 @@ class EngineReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     kv_capacity_tokens: int
 
 
+class DPLoads(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the DP coordinator publishes to every API server: per engine, in DP-rank
+    order, ``(waiting, running, kv_cache_usage)``; the current wave; whether the
+    engines are running a wave."""
+
+    loads: list[tuple[int, int, float]]
+    wave: int = 0
+    engines_running: bool = False
+
+
 _BODY_TYPES: dict[RequestType, Any] = {
     RequestType.ADD: EngineCoreRequest,
     RequestType.ABORT: list[str],

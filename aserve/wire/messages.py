@@ -40,6 +40,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     client_index: int = 0  # which API server sent it
     data_parallel_rank: int | None = None
+    current_wave: int = 0  # the DP wave the API server saw (MoE lockstep; dense engines ignore it)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -89,3 +90,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     scheduler_stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
+    # Sent to the coordinator only (client index -1), for lockstep (MoE) engines: the
+    # wave this engine finished, or the wave a request asked this paused engine to start.
+    wave_complete: int | None = None
+    start_wave: int | None = None

@@ -50,9 +50,10 @@ class AsyncSocket:
         """Send without waiting; raises ``zmq.Again`` if the socket cannot take it now."""
         self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
 
-    def close(self) -> None:
+    def close(self, linger: int = 0) -> None:
+        """Close; ``linger`` ms to deliver what is still queued (a last message)."""
         try:
             anyio.notify_closing(self.socket.FD)
         except (RuntimeError, zmq.ZMQError):
             pass
-        self.socket.close(linger=0)
+        self.socket.close(linger=linger)

@@ -64,7 +64,7 @@ def run_worker(cfg: WorkerProcConfig) -> None:
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     import torch
 
-    torch.set_num_threads(max(1, available_cores() // cfg.tp_size))
+    torch.set_num_threads(max(1, available_cores() // cfg.engine.parallel.local_world_size))
     ctx = zmq.Context()
     broadcast = response = None
     code = 0

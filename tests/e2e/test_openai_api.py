@@ -100,14 +100,16 @@ def test_chat_completion_and_stream(client):
 
 def test_startup_log_and_metrics(client, server):
     log = server.output()
-    assert "aserve::supervisor -> [aserve::api_server_0, aserve::engine_core_0 -> aserve::worker_tp0]" in log
+    assert "aserve::supervisor -> [aserve::api_server_0, aserve::engine_core_0 -> [aserve::worker_tp0]]" in log
     assert "loading weights [" in log and "100%" in log
     client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
     text = httpx.get(server.base_url + "/metrics").text
     for name in ("aserve:num_requests_running{", "aserve:num_requests_waiting{", "aserve:prompt_tokens_total{",
                  "aserve:generation_tokens_total{", 'aserve:request_success_total{engine="0",finished_reason="length"}',
                  "aserve:time_to_first_token_seconds_bucket{", "aserve:inter_token_latency_seconds_bucket{",
-                 "aserve:e2e_request_latency_seconds_count{", "aserve:request_queue_time_seconds_count{"):
+                 "aserve:e2e_request_latency_seconds_count{", "aserve:request_queue_time_seconds_count{",
+                 'aserve:engine_requests_received_total{engine="0"}', 'aserve:engine_requests_finished_total{engine="0"}',
+                 'aserve:engine_generation_tokens_total{engine="0"}'):
         assert name in text, name
     queued = [line for line in text.splitlines() if line.startswith("aserve:request_queue_time_seconds_count")]
     assert float(queued[0].split()[-1]) >= 1

@@ -86,6 +86,8 @@ class _Handler:
     def check_serving(self) -> None:
         if self.engine.is_dead:
             raise EngineDeadError("the engine is dead")
+        if self.engine.ready is None:
+            raise HTTPException(503, "the engines are starting")
         if self.state.draining:
             raise HTTPException(503, "the server is shutting down")
 
@@ -374,7 +376,7 @@ class _Handler:
         return Response(status_code=200)
 
     async def metrics(self, request: Request) -> Response:
-        if not self.engine.is_dead:
+        if not self.engine.is_dead and self.engine.ready is not None:
             try:
                 with anyio.fail_after(5):
                     for engine in range(self.engine.num_engines):

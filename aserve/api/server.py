@@ -69,64 +69,77 @@ class _InFlight:
 
 
 async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
+    """Serve HTTP at once and the engines once they are ready.
+
+    The HTTP server starts before the engines have sent READY, so probes get a truthful
+    503 from ``/ready`` (and requests a 503) while they load, on one machine or while a
+    headless node is still missing, rather than a connection nobody accepts.
+    """
     from hypercorn.config import Config
 
     from aserve.frontend.async_llm import AsyncLLM
 
-    async with AsyncLLM(**cfg.engine_kwargs, attach=cfg.attach) as engine:
-        state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
-        app = _InFlight(build_app(state), cfg.index)
-        config = Config()
-        config.bind = [f"fd://{sock.fileno()}"]
-        config.graceful_timeout = cfg.shutdown_timeout
-        config.accesslog = None
-        config.loglevel = cfg.log_level
-        if cfg.ssl_certfile:
-            config.certfile, config.keyfile = cfg.ssl_certfile, cfg.ssl_keyfile
-            config.alpn_protocols = ["h2", "http/1.1"]
-        stop_server = anyio.Event()
+    engine = AsyncLLM(**cfg.engine_kwargs, attach=cfg.attach)
+    state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
+    app = _InFlight(build_app(state), cfg.index)
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    config.graceful_timeout = cfg.shutdown_timeout
+    config.accesslog = None
+    config.loglevel = cfg.log_level
+    if cfg.ssl_certfile:
+        config.certfile, config.keyfile = cfg.ssl_certfile, cfg.ssl_keyfile
+        config.alpn_protocols = ["h2", "http/1.1"]
+    stop_server = anyio.Event()
+    engine_scope = anyio.CancelScope()
 
-        async def drain_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-                async for _ in signals:
-                    break
-            ignore_termination()  # one drain: a second signal must not cut it (or the cleanup) short
-            logger.info("draining: waiting up to %.0f s for %d request(s)", cfg.shutdown_timeout, app.count)
-            state.draining = True
-            with anyio.move_on_after(cfg.shutdown_timeout):
-                while app.count:
-                    app.idle = anyio.Event()
-                    await app.idle.wait()
-            stop_server.set()
+    async def drain_on_signal() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+        ignore_termination()  # one drain: a second signal must not cut it (or the cleanup) short
+        logger.info("draining: waiting up to %.0f s for %d request(s)", cfg.shutdown_timeout, app.count)
+        state.draining = True
+        with anyio.move_on_after(cfg.shutdown_timeout):
+            while app.count:
+                app.idle = anyio.Event()
+                await app.idle.wait()
+        stop_server.set()
 
-        async def watch_engine() -> None:
-            # By default the whole server goes down with its engine, after a short grace
-            # in which /health and every request answer 503, so probes and clients see
-            # why rather than a refused connection.
-            await engine.dead_event.wait()
-            logger.error("the engine died; shutting down in %.0f s", DEAD_ENGINE_GRACE)
-            await anyio.sleep(DEAD_ENGINE_GRACE)
-            stop_server.set()
+    async def run_engine(scope: anyio.CancelScope) -> None:
+        # The engines live until the HTTP server has stopped (in-flight requests need
+        # them while it drains); run_http cancels engine_scope then.
+        with engine_scope:
+            async with engine:
+                # By default the whole server goes down with its engines, after a short
+                # grace in which /health and every request answer 503, so probes and
+                # clients see why rather than a refused connection.
+                await engine.dead_event.wait()
+                logger.error("an engine died; shutting down in %.0f s", DEAD_ENGINE_GRACE)
+                await anyio.sleep(DEAD_ENGINE_GRACE)
+                stop_server.set()
+                await anyio.sleep_forever()
+        scope.cancel()
 
-        if cfg.loop == "trio":
-            from hypercorn.trio import serve as hypercorn_serve
-        else:
-            from hypercorn.asyncio import serve as hypercorn_serve
+    if cfg.loop == "trio":
+        from hypercorn.trio import serve as hypercorn_serve
+    else:
+        from hypercorn.asyncio import serve as hypercorn_serve
 
-        async def run_http(scope: anyio.CancelScope) -> None:
-            # In a task of its own: Hypercorn's asyncio server cancels tasks with plain
-            # asyncio calls, which must not reach the task that owns the engine.
-            await hypercorn_serve(app, config, shutdown_trigger=stop_server.wait)
-            logger.info("the HTTP server stopped")
-            scope.cancel()
+    async def run_http() -> None:
+        # In a task of its own: Hypercorn's asyncio server cancels tasks with plain
+        # asyncio calls, which must not reach the task that owns the engine.
+        await hypercorn_serve(app, config, shutdown_trigger=stop_server.wait)
+        logger.info("the HTTP server stopped")
+        engine_scope.cancel()
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(drain_on_signal)
-            tg.start_soon(watch_engine)
-            logger.info("serving on %s", sock.getsockname())
-            tg.start_soon(run_http, tg.cancel_scope)
-        if engine.is_dead:
-            raise SystemExit(1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(drain_on_signal)
+        tg.start_soon(run_engine, tg.cancel_scope)
+        logger.info("serving on %s", sock.getsockname())
+        tg.start_soon(run_http)
+    if engine.failure is not None:
+        raise SystemExit(1)
 
 
 def run_api_server(cfg: ApiServerConfig, sock: socket.socket) -> None:

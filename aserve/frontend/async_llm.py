@@ -149,6 +149,7 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._encoder = RequestEncoder()
         self._dead: EngineDeadError | None = None
+        self.failure: EngineDeadError | None = None  # why an engine died, unless this AsyncLLM stopped them
         self._stopping = False
         self.coordinator_process: mp.process.BaseProcess | None = None
         self._sockets: list[AsyncSocket] = []
@@ -383,6 +384,8 @@ class AsyncLLM:
     def _fail(self, error: EngineDeadError) -> None:
         if self._dead is None:
             self._dead = error
+            if not self._stopping:
+                self.failure = error
             self.dead_event.set()
         for stream in list(self._streams.values()):
             try:

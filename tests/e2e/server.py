@@ -16,7 +16,8 @@ import httpx
 
 
 class Server:
-    def __init__(self, model: Path, *extra: str, env: dict[str, str] | None = None, verify: Any = True) -> None:
+    def __init__(self, model: Path, *extra: str, env: dict[str, str] | None = None, verify: Any = True,
+                 wait: bool = True) -> None:
         self.verify = verify
         cmd = [sys.executable, "-m", "aserve", "run", str(model), "--port", "0", "--kv-cache-memory", str(1 << 24),
                "--max-model-len", "256", *extra]
@@ -35,7 +36,8 @@ class Server:
         # Keep reading the server's output so its pipe never fills and blocks it.
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
-        self.wait_ready()
+        if wait:
+            self.wait_ready()
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
@@ -68,11 +70,15 @@ class Server:
         return [self.proc.pid, *tree(self.proc.pid)]
 
     def titles(self) -> dict[str, int]:
-        """Process title -> pid, for the whole tree."""
-        out = {}
+        """Process title -> pid, for the whole tree (one pid per title)."""
+        return {title: pid for pid, title in self.title_list()}
+
+    def title_list(self) -> list[tuple[int, str]]:
+        """(pid, title) of every process of the tree."""
+        out = []
         for pid in self.pids():
             try:
-                out[Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()] = pid
+                out.append((pid, Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()))
             except FileNotFoundError:
                 pass
         return out
@@ -100,3 +106,10 @@ def alive(pid: int) -> bool:
 
 def aserve_shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("aserve_*")}
+
+
+def aserve_dirs() -> set[str]:
+    """Instance directories (IPC sockets) of aserve servers in the temporary directory."""
+    import tempfile
+
+    return {p.name for p in Path(tempfile.gettempdir()).glob("aserve_*-*")}

@@ -92,6 +92,40 @@ async def test_greedy_matches_transformers(llama_dir, expected, tp):
     assert not any(alive(p) for p in pids)
 
 
+async def test_data_parallel_engines_share_the_load_and_match_transformers(llama_dir, expected):
+    async with AsyncLLM(str(llama_dir), data_parallel_size=2, kv_cache_memory=1 << 22) as llm:
+        instance = (llm.instance_id, llm.instance_dir)
+        engines = [p.pid for p in llm.engine_processes]
+        pids = [os.getpid(), *tree(os.getpid())]
+        titles = sorted(Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in pids[1:])
+        assert titles == ["aserve::coordinator", "aserve::engine_core_0", "aserve::engine_core_1",
+                          "aserve::worker_tp0", "aserve::worker_tp0"]
+        # Pinned to either engine, greedy tokens are transformers'.
+        for rank in (0, 1):
+            outs = []
+            async for out in llm.generate(PROMPTS[0], GREEDY, data_parallel_rank=rank):
+                outs.append(out)
+            assert outs[-1].outputs[0].token_ids == expected[0]
+        with pytest.raises(InvalidInputError, match="data_parallel_rank"):
+            async for _ in llm.generate(PROMPTS[0], GREEDY, data_parallel_rank=2):
+                pass
+        # Unpinned concurrent requests spread over both engines.
+        results = [None] * 12
+
+        async def run(i):
+            results[i] = await collect(llm, PROMPTS[i % 3], GREEDY)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(12):
+                tg.start_soon(run, i)
+        assert [r.outputs[0].token_ids for r in results] == [expected[i % 3] for i in range(12)]
+        received = [(await llm.get_stats(rank))["num_requests_received"] for rank in (0, 1)]
+        assert sum(received) == 14 and min(received) >= 4, received
+        await llm.check_health()
+    assert leftovers(*instance) == []
+    assert not any(alive(p) for p in [*engines, *pids[1:]])
+
+
 async def test_many_concurrent_streams_and_output_kinds(llama_dir):
     from aserve.sampling_params import RequestOutputKind
 

@@ -104,9 +104,10 @@ def test_tp2_dp2_is_ten_processes_balanced_and_identical_to_dp1(llama_dir):
     assert aserve_shm() <= before[0] and aserve_dirs() <= before[1]
 
 
-def test_kill_9_of_one_engine_fails_its_requests_and_takes_the_tree_down(llama_dir):
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_kill_9_of_one_engine_fails_its_requests_and_takes_the_tree_down(llama_dir, loop):
     before = aserve_shm(), aserve_dirs()
-    server = Server(llama_dir, "--dp", "2")
+    server = Server(llama_dir, "--dp", "2", "--loop", loop)
     pids = server.pids()
     victim = server.titles()["aserve::engine_core_1"]
     outcome: dict = {}

@@ -5,6 +5,9 @@
 prints the completion of PROMPT. With no ``--model`` it uses the embedded default
 model, built on first use into ``$ASERVE_CACHE_DIR`` (random weights: its text is
 nonsense, which stderr says).
+
+    aserve run [MODEL] [--tp N] [--dp N] ...       serve the OpenAI API (docs/serving.md)
+    aserve bench serve|throughput|latency ...     benchmarks (docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -78,7 +81,53 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--loop", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
                      help="event loop (default auto: uvloop when installed, else asyncio)")
     run.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: a serving load generator, offline throughput and latency")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = kinds.add_parser("serve", help="load any OpenAI-compatible server; vLLM's result fields")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    serve.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    serve.add_argument("--model", required=True, help="the model name the server serves")
+    serve.add_argument("--tokenizer", default=None,
+                       help="Hugging Face-format directory with tokenizer.json (default: --model, if a directory)")
+    serve.add_argument("--dataset-name", choices=("random", "sharegpt", "prefix"), default="random")
+    serve.add_argument("--dataset-path", default=None, help="ShareGPT-shaped JSON file (--dataset-name sharegpt)")
+    serve.add_argument("--random-input-len", type=int, default=1024)
+    serve.add_argument("--random-output-len", type=int, default=128)
+    serve.add_argument("--random-range-ratio", type=float, default=0.0)
+    serve.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (--dataset-name prefix)")
+    serve.add_argument("--sharegpt-output-len", type=int, default=None)
+    serve.add_argument("--num-prompts", type=int, default=1000)
+    serve.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
+    serve.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--ignore-eos", action="store_true")
+    serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                       help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    serve.add_argument("--http2", action="store_true", help="HTTP/2 (h2c with prior knowledge, or ALPN over TLS)")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--result-filename", default=None, help="write the result JSON here")
+    serve.add_argument("--no-progress", action="store_true")
+
+    for name, text in (("throughput", "offline throughput through LLM"), ("latency", "one batch, time per step")):
+        p = kinds.add_parser(name, help=text)
+        _add_engine_args(p)
+        p.add_argument("--input-len", type=int, default=128)
+        p.add_argument("--output-len", type=int, default=128)
+        if name == "throughput":
+            p.add_argument("--num-prompts", type=int, default=200)
+        else:
+            p.add_argument("--batch-size", type=int, default=8)
+            p.add_argument("--num-iters-warmup", type=int, default=1)
+            p.add_argument("--num-iters", type=int, default=3)
+        p.add_argument("--output-json", default=None, help="write the result JSON here")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -98,6 +147,78 @@ def _generate(args: argparse.Namespace) -> int:
     output = llm.generate(args.prompt, params)[0]
     print(output.outputs[0].text)
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    if args.bench_command == "serve":
+        return _bench_serve(args)
+    from aserve import LLM
+    from aserve.bench import offline
+    from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+              kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
+    if args.bench_command == "throughput":
+        result = offline.throughput(llm, num_prompts=args.num_prompts, input_len=args.input_len,
+                                    output_len=args.output_len, seed=args.seed)
+        print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} "
+              f"total tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
+    else:
+        result = offline.latency(llm, batch_size=args.batch_size, input_len=args.input_len,
+                                 output_len=args.output_len, num_iters_warmup=args.num_iters_warmup,
+                                 num_iters=args.num_iters, seed=args.seed)
+        print(f"Avg latency: {result['avg_latency']:.4f} s ({result['avg_step_ms']:.2f} ms per step)")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import anyio
+
+    from aserve.bench import datasets
+    from aserve.bench.serve import LoadConfig, format_summary, parse_goodput, run_load, summarize
+    from aserve.errors import ConfigError
+    from aserve.launch.process_utils import ProgressBar
+    from aserve.tokenizer import Tokenizer
+
+    tokenizer_dir = args.tokenizer or args.model
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        raise ConfigError(f"no tokenizer.json in {tokenizer_dir!r}: pass --tokenizer DIR", param="tokenizer")
+    tokenizer = Tokenizer(Path(tokenizer_dir))
+    try:
+        goodput = parse_goodput(args.goodput)
+    except ValueError as exc:
+        raise ConfigError(str(exc), param="goodput") from None
+    if args.dataset_name == "sharegpt":
+        if not args.dataset_path:
+            raise ConfigError("--dataset-name sharegpt needs --dataset-path", param="dataset_path")
+        samples = datasets.sharegpt_requests(tokenizer, args.dataset_path, args.num_prompts, args.seed,
+                                             args.sharegpt_output_len)
+    else:
+        samples = datasets.random_requests(
+            tokenizer, args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+            args.seed, prefix_len=args.prefix_len if args.dataset_name == "prefix" else 0)
+    cfg = LoadConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model, request_rate=args.request_rate,
+                     burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+                     temperature=args.temperature, http2=args.http2, seed=args.seed, goodput=goodput,
+                     api_key=args.api_key)
+    progress = None if args.no_progress else ProgressBar("requests")
+    results, duration = anyio.run(run_load, cfg, samples, tokenizer, progress)
+    result = summarize(cfg, results, duration)
+    print(format_summary(result))
+    if args.result_filename:
+        Path(args.result_filename).write_text(json.dumps(result))
+    errors = [e for e in result["errors"] if e]
+    if errors:
+        print(f"first error: {errors[0]}", file=sys.stderr)
+    return 0 if result["completed"] else 1
 
 
 def _data_parallel(args: argparse.Namespace) -> Any:
@@ -169,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "bench":
+            return _bench(args)
     except AserveError as exc:
         print(f"aserve: error: {exc}", file=sys.stderr)
         return 2

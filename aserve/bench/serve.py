@@ -1,0 +1,224 @@
+"""``aserve bench serve``: load for any OpenAI-compatible server, figures named as vLLM's.
+
+Requests arrive by a gamma process (``burstiness`` 1 is Poisson) at ``request_rate``
+per second (``inf``: all at once), at most ``max_concurrency`` in flight. Each one
+streams (``stream: true`` with ``stream_options.include_usage``), and the client
+records the time to the first token (TTFT), the gap before every later chunk (ITL),
+the time per output token after the first (TPOT) and the whole latency (E2EL). Output
+tokens are the server's ``usage.completion_tokens`` when it reports them, else the
+generated text re-tokenised. The result has the field names of vLLM's serving
+benchmark, so the JSON of both tools can be set side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+
+from aserve.bench.datasets import SampleRequest
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    success: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    text: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    base_url: str
+    endpoint: str  # /v1/completions or /v1/chat/completions
+    model: str
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    http2: bool = False
+    seed: int = 0
+    goodput: dict[str, float] = field(default_factory=dict)  # "ttft"/"tpot"/"e2el" -> ms
+    timeout: float = 600.0
+    api_key: str | None = None
+
+
+def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Gaps between request starts: gamma(shape=burstiness, scale=1/(rate*burstiness)),
+    mean 1/rate; all zero for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("request rate and burstiness must be positive")
+    rng = np.random.default_rng(seed)
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n).tolist()
+
+
+def _body(cfg: LoadConfig, sample: SampleRequest) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": cfg.model, "max_tokens": sample.expected_output_len, "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": cfg.temperature}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True  # vLLM's (and aserve's) extension
+    if cfg.endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+    else:
+        body["prompt"] = sample.prompt
+    return body
+
+
+async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any) -> RequestResult:
+    result = RequestResult(sample.prompt_len)
+    chat = cfg.endpoint.endswith("chat/completions")
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    start = last = time.perf_counter()
+    usage_tokens = None
+    try:
+        async with client.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint, json=_body(cfg, sample),
+                                 headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    result.error = str(chunk["error"])
+                    return result
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                text = (choices[0].get("delta") or {}).get("content") if chat else choices[0].get("text")
+                if text:
+                    now = time.perf_counter()
+                    if not result.text:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.text += text
+        result.latency = time.perf_counter() - start
+        result.output_tokens = usage_tokens if usage_tokens is not None else \
+            len(tokenizer.encode(result.text, add_special_tokens=False))
+        result.success = True
+    except Exception as exc:  # one failed request is a figure, not the end of the benchmark
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_load(cfg: LoadConfig, samples: list[SampleRequest], tokenizer: Any,
+                   progress: Any = None) -> tuple[list[RequestResult], float]:
+    """Send every sample; (results in sample order, wall-clock duration in s)."""
+    import httpx
+
+    delays = arrival_delays(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
+    limit = cfg.max_concurrency or len(samples)
+    gate = anyio.Semaphore(limit)
+    results: list[RequestResult | None] = [None] * len(samples)
+    done = 0
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(http1=not cfg.http2, http2=cfg.http2, timeout=cfg.timeout, limits=limits) as client:
+        async def send(i: int) -> None:
+            nonlocal done
+            async with gate:
+                results[i] = await _one(client, cfg, samples[i], tokenizer)
+            done += 1
+            if progress is not None:
+                progress(done, len(samples))
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for i, delay in enumerate(delays):
+                if delay:
+                    await anyio.sleep(delay)
+                tg.start_soon(send, i)
+        duration = time.perf_counter() - start
+    return [r for r in results if r is not None], duration
+
+
+def _stats(prefix: str, values_s: list[float]) -> dict[str, float]:
+    ms = np.asarray(values_s, dtype=float) * 1000 if values_s else np.zeros(1)
+    return {f"mean_{prefix}_ms": float(ms.mean()), f"median_{prefix}_ms": float(np.median(ms)),
+            f"std_{prefix}_ms": float(ms.std()), f"p99_{prefix}_ms": float(np.percentile(ms, 99))}
+
+
+def summarize(cfg: LoadConfig, results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """vLLM's serving-benchmark fields (and its per-request lists)."""
+    ok = [r for r in results if r.success]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [x for r in ok for x in r.itl]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    good = 0
+    for r in ok:
+        tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        measured = {"ttft": r.ttft * 1000, "tpot": tpot * 1000, "e2el": r.latency * 1000}
+        good += all(measured[k] <= v for k, v in cfg.goodput.items())
+    out: dict[str, Any] = {
+        "backend": "openai-chat" if cfg.endpoint.endswith("chat/completions") else "openai",
+        "model_id": cfg.model,
+        "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+        "burstiness": cfg.burstiness,
+        "max_concurrency": cfg.max_concurrency,
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "request_goodput": good / duration if (duration and cfg.goodput) else None,
+        "output_throughput": total_out / duration if duration else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
+    }
+    out |= _stats("ttft", [r.ttft for r in ok]) | _stats("tpot", tpots) | _stats("itl", itls)
+    out |= _stats("e2el", [r.latency for r in ok])
+    out |= {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
+            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+            "generated_texts": [r.text for r in results], "errors": [r.error for r in results]}
+    return out
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    lines = [
+        f"{'Successful requests:':<40}{result['completed']:>12}",
+        f"{'Failed requests:':<40}{result['failed']:>12}",
+        f"{'Benchmark duration (s):':<40}{result['duration']:>12.2f}",
+        f"{'Total input tokens:':<40}{result['total_input_tokens']:>12}",
+        f"{'Total generated tokens:':<40}{result['total_output_tokens']:>12}",
+        f"{'Request throughput (req/s):':<40}{result['request_throughput']:>12.2f}",
+        f"{'Output token throughput (tok/s):':<40}{result['output_throughput']:>12.2f}",
+        f"{'Total token throughput (tok/s):':<40}{result['total_token_throughput']:>12.2f}",
+    ]
+    if result["request_goodput"] is not None:
+        lines.append(f"{'Request goodput (req/s):':<40}{result['request_goodput']:>12.2f}")
+    for key, name in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
+                      ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append(f"{name + ' (ms) mean / median / p99:':<52}"
+                     f"{result[f'mean_{key}_ms']:.2f} / {result[f'median_{key}_ms']:.2f} / {result[f'p99_{key}_ms']:.2f}")
+    return "\n".join(lines)
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (milliseconds)."""
+    out = {}
+    for item in items or []:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        out[key] = float(value)
+    return out

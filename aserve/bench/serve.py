@@ -76,6 +76,20 @@ def _body(cfg: LoadConfig, sample: SampleRequest) -> dict[str, Any]:
     return body
 
 
+async def _sse_lines(response: Any) -> Any:
+    """The stream's lines, split on b"\n" only: a server may put U+2028 or \x1c (which
+    ``str.splitlines`` and httpx's ``aiter_lines`` treat as line breaks) unescaped
+    inside a JSON string."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if buffer:
+        yield buffer.decode("utf-8", errors="replace")
+
+
 async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any) -> RequestResult:
     result = RequestResult(sample.prompt_len)
     chat = cfg.endpoint.endswith("chat/completions")
@@ -88,7 +102,7 @@ async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: A
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
+            async for line in _sse_lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

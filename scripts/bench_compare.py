@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""aserve and vLLM's CPU build, one after the other, on the same models and the same load.
+
+    python scripts/bench_compare.py [--vllm-venv /tmp/vllm-cpu-venv] [--out results/compare.json]
+                                    [--num-prompts 200] [--skip-152m] [--client aserve|vllm]
+
+Install the peer first (about 5 minutes; never a dependency of aserve):
+``bash ../shared/peers/setup-vllm-cpu.sh /tmp/vllm-cpu-venv``.
+
+Builds the benchmark models (random weights, fixed seed) into ``bench-models/``, then
+for each model starts each server, waits for it to answer, drives it with the same
+load (random dataset, 128 prompt tokens, 128 output tokens, ignore-eos, greedy, seed 0;
+by default with ``aserve bench serve``, ``--client vllm`` uses ``vllm bench serve``
+from the peer's venv), measures the whole process tree's memory (PSS, shared pages
+split between processes) after the load, stops it, and prints one table with the
+ratios aserve / vLLM. Configurations (``../shared/peers/README.md``):
+
+- 7M Llama: aserve float32 vs vLLM float32 with its default CPU binding (its best on a
+  tiny model); concurrency 32 (``--num-prompts``) and concurrency 1 (a quarter as many);
+- 152M Llama: aserve bfloat16 vs vLLM bfloat16 with both cores
+  (``VLLM_CPU_OMP_THREADS_BIND=0-1``, its best here); concurrency 32.
+
+Both servers get a 4 GiB KV cache. JSON of every run goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PORT = 8731
+
+
+def tree(pid: int) -> list[int]:
+    out = [pid]
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return out
+    for kid in kids:
+        out += tree(int(kid))
+    return out
+
+
+def pss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    return total / 1024
+
+
+class Running:
+    """A server process group, started and waited for."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], probe: str, timeout: float = 600) -> None:
+        self.name = name
+        self.log = open(ROOT / "results" / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
+        url = f"http://127.0.0.1:{PORT}"
+        try:
+            httpx.get(url, timeout=1)
+            raise SystemExit(f"port {PORT} is already serving: stop that server first")
+        except httpx.TransportError:
+            pass
+        start = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                     start_new_session=True)
+        while True:
+            try:
+                if httpx.get(url + probe, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() - start > timeout:
+                self.stop()
+                raise SystemExit(f"{name} did not start; see results/{name}.log")
+            time.sleep(0.25)  # polling for readiness, as a probe would
+        self.ready_s = time.monotonic() - start
+
+    def stop(self) -> None:
+        """SIGTERM to the server's main process only (it stops its children, as Ctrl-C or
+        a container stop would); anything of its session still alive 30 s after it
+        exited is killed, so the next server has the machine (and the port) alone."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        deadline = time.monotonic() + 30
+        while session_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if session_alive(self.proc.pid):
+            print(f"{self.name}: processes left after exit; killing them", file=sys.stderr)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def session_alive(sid: int) -> bool:
+    """Whether a live (not zombie) process of session ``sid`` remains."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            return True
+    return False
+
+
+def load(args: argparse.Namespace, model: Path, concurrency: int, prompts: int, tag: str) -> dict:
+    out = ROOT / "results" / f"{tag}.json"
+    common = ["--base-url", f"http://127.0.0.1:{PORT}", "--model", str(model), "--tokenizer", str(model),
+              "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "128",
+              "--random-range-ratio", "0", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+              "--request-rate", "inf", "--ignore-eos", "--seed", "0"]
+    if args.client == "vllm":
+        cmd = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
+               "--endpoint", "/v1/completions", *common, "--temperature", "0", "--save-result",
+               "--result-filename", str(out)]
+    else:
+        cmd = [sys.executable, "-m", "aserve", "bench", "serve", *common, "--no-progress", "--result-filename", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = json.loads(out.read_text())
+    return {k: result[k] for k in ("completed", "failed", "output_throughput", "median_ttft_ms", "median_itl_ms",
+                                   "median_tpot_ms", "p99_ttft_ms", "duration")}
+
+
+def serve_cmd(system: str, args: argparse.Namespace, model: Path, dtype: str) -> tuple[list[str], dict[str, str]]:
+    if system == "aserve":
+        return ([sys.executable, "-m", "aserve", "run", str(model), "--served-model-name", str(model), "--port",
+                 str(PORT), "--dtype", dtype, "--log-level", "WARNING"], {})
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    if dtype == "bfloat16":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
+    return ([str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port",
+             str(PORT), "--dtype", dtype], env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv")
+    parser.add_argument("--out", default=str(ROOT / "results" / "compare.json"))
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--skip-152m", action="store_true")
+    parser.add_argument("--client", choices=("aserve", "vllm"), default="aserve")
+    args = parser.parse_args()
+    (ROOT / "results").mkdir(exist_ok=True)
+    systems = ["aserve"] + (["vllm"] if (Path(args.vllm_venv) / "bin" / "vllm").exists() else [])
+    if systems == ["aserve"]:
+        print(f"no vLLM at {args.vllm_venv}: measuring aserve only", file=sys.stderr)
+    models = {"7m": ROOT / "bench-models" / "llama-7m", "152m": ROOT / "bench-models" / "llama-152m"}
+    plan = [("7m", "float32", [(32, args.num_prompts), (1, max(8, args.num_prompts // 4))])]
+    if not args.skip_152m:
+        plan.append(("152m", "bfloat16", [(32, args.num_prompts)]))
+    rows: dict = {}
+    for size, dtype, loads in plan:
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_bench_model.py"), str(models[size]), "--size",
+                        size], check=True, stdout=subprocess.DEVNULL)
+        for system in systems:
+            cmd, env = serve_cmd(system, args, models[size], dtype)
+            # aserve answers HTTP while loading (/ready 503); vLLM listens once loaded (/health).
+            server = Running(f"{system}-{size}-{dtype}", cmd, env, "/ready" if system == "aserve" else "/health")
+            try:
+                for concurrency, prompts in loads:
+                    key = f"{size} {dtype} c={concurrency}"
+                    print(f"{system}: {key} ...", file=sys.stderr, flush=True)
+                    result = load(args, models[size], concurrency, prompts, f"{system}-{size}-c{concurrency}")
+                    result["pss_mib"] = pss_mib(tree(server.proc.pid))
+                    result["ready_s"] = server.ready_s
+                    rows.setdefault(key, {})[system] = result
+            finally:
+                server.stop()
+    Path(args.out).write_text(json.dumps(rows, indent=2))
+    print(f"\n{'load':<22}{'system':<8}{'out tok/s':>10}{'TTFT p50':>10}{'ITL p50':>9}{'PSS MiB':>9}{'ready s':>8}")
+    for key, by_system in rows.items():
+        for system, r in by_system.items():
+            print(f"{key:<22}{system:<8}{r['output_throughput']:>10.1f}{r['median_ttft_ms']:>10.1f}"
+                  f"{r['median_itl_ms']:>9.2f}{r['pss_mib']:>9.0f}{r['ready_s']:>8.1f}")
+        if "vllm" in by_system:
+            a, v = by_system["aserve"], by_system["vllm"]
+            print(f"{'':<22}{'ratio':<8}{a['output_throughput'] / v['output_throughput']:>10.2f}"
+                  f"{a['median_ttft_ms'] / v['median_ttft_ms']:>10.2f}{a['median_itl_ms'] / v['median_itl_ms']:>9.2f}"
+                  f"{a['pss_mib'] / v['pss_mib']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -77,6 +77,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None
+    worker_threads: int | None = None  # torch threads per worker; None: cores / local world size
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -87,6 +88,8 @@ class ParallelConfig:
         if local is not None and not 0 <= local <= self.data_parallel_size:
             raise ConfigError("data_parallel_size_local must be in [0, data_parallel_size]",
                               param="data_parallel_size_local")
+        if self.worker_threads is not None and self.worker_threads < 1:
+            raise ConfigError("worker_threads must be >= 1", param="worker_threads")
 
     @property
     def local_engines(self) -> int:
@@ -96,6 +99,10 @@ class ParallelConfig:
     def local_world_size(self) -> int:
         """Worker processes on this node: they share its cores."""
         return max(1, self.local_engines) * self.tensor_parallel_size
+
+    def threads_per_worker(self, cores: int) -> int:
+        """``worker_threads``, or the node's cores shared out between its workers."""
+        return self.worker_threads or max(1, cores // self.local_world_size)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,7 @@ class AsyncLLM:
         *,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        worker_threads: int | None = None,
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
@@ -124,7 +125,8 @@ class AsyncLLM:
         attach: EngineAttachment | None = None,
     ) -> None:
         self.config = make_engine_config(
-            model, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, dtype=dtype,
+            model, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+            worker_threads=worker_threads, dtype=dtype,
             max_model_len=max_model_len, seed=seed, kv_cache_memory=kv_cache_memory, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -28,6 +28,7 @@ def make_engine_config(
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     data_parallel_size_local: int | None = None,
+    worker_threads: int | None = None,
     dtype: str = "auto",
     max_model_len: int | None = None,
     seed: int = 0,
@@ -49,5 +50,5 @@ def make_engine_config(
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                                data_parallel_size_local=data_parallel_size_local),
+                                data_parallel_size_local=data_parallel_size_local, worker_threads=worker_threads),
     )

@@ -64,7 +64,7 @@ def run_worker(cfg: WorkerProcConfig) -> None:
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     import torch
 
-    torch.set_num_threads(max(1, available_cores() // cfg.engine.parallel.local_world_size))
+    torch.set_num_threads(cfg.engine.parallel.threads_per_worker(available_cores()))
     ctx = zmq.Context()
     broadcast = response = None
     code = 0

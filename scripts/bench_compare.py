@@ -15,8 +15,9 @@ from the peer's venv), measures the whole process tree's memory (PSS, shared pag
 split between processes) after the load, stops it, and prints one table with the
 ratios aserve / vLLM. Configurations (``../shared/peers/README.md``):
 
-- 7M Llama: aserve float32 vs vLLM float32 with its default CPU binding (its best on a
-  tiny model); concurrency 32 (``--num-prompts``) and concurrency 1 (a quarter as many);
+- 7M Llama: aserve float32 with ``--worker-threads 1`` vs vLLM float32 with its default
+  CPU binding (each one's best on a tiny model); concurrency 32 (``--num-prompts``) and
+  concurrency 1 (a quarter as many);
 - 152M Llama: aserve bfloat16 vs vLLM bfloat16 with both cores
   (``VLLM_CPU_OMP_THREADS_BIND=0-1``, its best here); concurrency 32.
 
@@ -143,8 +144,11 @@ def load(args: argparse.Namespace, model: Path, concurrency: int, prompts: int, 
 
 def serve_cmd(system: str, args: argparse.Namespace, model: Path, dtype: str) -> tuple[list[str], dict[str, str]]:
     if system == "aserve":
+        # Its best here, as vLLM's below: one torch thread for the tiny model (the other
+        # core serves HTTP and schedules), both cores for the 152M one.
+        threads = ["--worker-threads", "1"] if dtype == "float32" else []
         return ([sys.executable, "-m", "aserve", "run", str(model), "--served-model-name", str(model), "--port",
-                 str(PORT), "--dtype", dtype, "--log-level", "WARNING"], {})
+                 str(PORT), "--dtype", dtype, "--log-level", "WARNING", *threads], {})
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     if dtype == "bfloat16":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"

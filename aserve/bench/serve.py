@@ -3,7 +3,8 @@
 Requests arrive by a gamma process (``burstiness`` 1 is Poisson) at ``request_rate``
 per second (``inf``: all at once), at most ``max_concurrency`` in flight. Each one
 streams (``stream: true`` with ``stream_options.include_usage``), and the client
-records the time to the first token (TTFT), the gap before every later chunk (ITL),
+records the time to the first chunk with a choice (TTFT; its text may be empty), the
+gap before every later one (ITL),
 the time per output token after the first (TPOT) and the whole latency (E2EL). Output
 tokens are the server's ``usage.completion_tokens`` when it reports them, else the
 generated text re-tokenised. The result has the field names of vLLM's serving
@@ -95,6 +96,7 @@ async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: A
     chat = cfg.endpoint.endswith("chat/completions")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     start = last = time.perf_counter()
+    first_seen = False
     usage_tokens = None
     try:
         async with client.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint, json=_body(cfg, sample),
@@ -117,16 +119,21 @@ async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: A
                 choices = chunk.get("choices") or []
                 if not choices:
                     continue
+                # Every chunk with a choice is a token event, even with empty text (a
+                # server holds back text that ends inside a UTF-8 character): timed as
+                # vLLM's client times them, so the figures compare.
                 text = (choices[0].get("delta") or {}).get("content") if chat else choices[0].get("text")
-                if text:
-                    now = time.perf_counter()
-                    if not result.text:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    result.text += text
-        result.latency = time.perf_counter() - start
+                now = time.perf_counter()
+                if not first_seen:
+                    result.ttft, first_seen = now - start, True
+                else:
+                    result.itl.append(now - last)
+                last = now
+                result.text += text or ""
+        if not first_seen:
+            result.error = "the stream ended before its first chunk"
+            return result
+        result.latency = last - start
         result.output_tokens = usage_tokens if usage_tokens is not None else \
             len(tokenizer.encode(result.text, add_special_tokens=False))
         result.success = True

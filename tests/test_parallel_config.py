@@ -1,0 +1,29 @@
+"""ParallelConfig: data-parallel sizes and the torch threads each worker gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from aserve.config import ParallelConfig
+from aserve.errors import ConfigError
+
+
+def test_threads_share_the_node_between_its_workers():
+    assert ParallelConfig().threads_per_worker(2) == 2
+    assert ParallelConfig(tensor_parallel_size=2).threads_per_worker(2) == 1
+    tp2dp2 = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2)
+    assert tp2dp2.local_world_size == 4 and tp2dp2.threads_per_worker(2) == 1 and tp2dp2.threads_per_worker(16) == 4
+    remote_half = ParallelConfig(tensor_parallel_size=2, data_parallel_size=4, data_parallel_size_local=2)
+    assert remote_half.local_engines == 2 and remote_half.threads_per_worker(16) == 4
+    assert ParallelConfig(worker_threads=1).threads_per_worker(2) == 1  # an explicit count wins
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"data_parallel_size": 0}, "data_parallel_size"),
+    ({"data_parallel_size": 2, "data_parallel_size_local": 3}, "data_parallel_size_local"),
+    ({"worker_threads": 0}, "worker_threads"),
+])
+def test_bad_values_name_their_field(kwargs, param):
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(**kwargs)
+    assert info.value.param == param

@@ -69,11 +69,12 @@ class RingClosedError(RuntimeError):
 
 
 def _wait(ready: Callable[[], bool], deadline: float | None, on_slow: Callable[[float], None] | None = None,
-          warn_after: float = 60.0, deep_sleep: Callable[[float], None] | None = None) -> None:
+          warn_after: float = 60.0, deep_sleep: Callable[[float], None] | None = None,
+          deep_sleep_after: float = DEEP_SLEEP_AFTER) -> None:
     """Return once ``ready()``; TimeoutError at ``deadline`` (a ``time.monotonic`` value).
 
-    ``deep_sleep(seconds)`` blocks until woken or the time passes; without it the
-    back-off sleeps go on."""
+    ``deep_sleep(seconds)`` blocks until woken or the time passes, from
+    ``deep_sleep_after`` seconds into the wait; without it the back-off sleeps go on."""
     if ready():
         return
     start = time.monotonic()
@@ -84,7 +85,7 @@ def _wait(ready: Callable[[], bool], deadline: float | None, on_slow: Callable[[
             return
     sleep = 1e-5
     next_warning = start + warn_after
-    deep_from = start + DEEP_SLEEP_AFTER
+    deep_from = start + deep_sleep_after
     while not ready():
         now = time.monotonic()
         if deadline is not None and now >= deadline:
@@ -140,11 +141,15 @@ class ShmRingWriter:
 
     ``side_channel_address`` is where the XPUB socket binds (``ipc://...``); call
     :meth:`wait_for_readers` before the first write so no side-channel message is lost.
+    ``wake_every_write`` sends a wake-up after every write, not only after an idle gap:
+    for a ring whose reader sleeps on the side channel from the start of each wait (a
+    worker's response ring: the engine core then sleeps through the model step instead
+    of waking up to 20 times to look).
     """
 
     def __init__(self, name: str, n_readers: int, *, side_channel_address: str, zmq_context: zmq.Context,
                  max_chunks: int = DEFAULT_MAX_CHUNKS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 warn_after: float = 60.0) -> None:
+                 warn_after: float = 60.0, wake_every_write: bool = False) -> None:
         self.layout = _Layout(n_readers, max_chunks, max_chunk_bytes)
         self._segment = _Segment(name, self.layout.size, create=True)
         self.name = name
@@ -159,6 +164,7 @@ class ShmRingWriter:
         self._warn_after = warn_after
         self._closed = False
         self._last_write = time.monotonic()
+        self._wake_every_write = wake_every_write
 
     def wait_for_readers(self, timeout: float) -> None:
         """Block until every reader has subscribed to the side channel."""
@@ -204,7 +210,7 @@ class ShmRingWriter:
         buf[meta] = 1
         self._index = (self._index + 1) % layout.max_chunks
         now = time.monotonic()
-        if now - self._last_write > WAKE_AFTER:
+        if self._wake_every_write or now - self._last_write > WAKE_AFTER:
             self._side.send(_WAKE)
         self._last_write = now
 
@@ -222,10 +228,15 @@ class ShmRingWriter:
 
 
 class ShmRingReader:
-    """Reader ``rank`` of an existing ring (0 .. n_readers - 1)."""
+    """Reader ``rank`` of an existing ring (0 .. n_readers - 1).
+
+    ``deep_sleep_after``: seconds of waiting after which the reader blocks on the side
+    channel; 0 (after the short spin) only for a ring whose writer wakes it after every
+    write (``wake_every_write``)."""
 
     def __init__(self, name: str, rank: int, n_readers: int, *, side_channel_address: str, zmq_context: zmq.Context,
-                 max_chunks: int = DEFAULT_MAX_CHUNKS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+                 max_chunks: int = DEFAULT_MAX_CHUNKS, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 deep_sleep_after: float = DEEP_SLEEP_AFTER) -> None:
         self.layout = _Layout(n_readers, max_chunks, max_chunk_bytes)
         self.rank = rank
         try:
@@ -238,6 +249,7 @@ class ShmRingReader:
         self._side.setsockopt(zmq.SUBSCRIBE, b"")
         self._side.connect(side_channel_address)
         self._index = 0
+        self._deep_sleep_after = deep_sleep_after
         self._stashed: collections.deque[bytes] = collections.deque()  # side payloads read early
 
     def _deep_sleep(self, seconds: float) -> None:
@@ -276,7 +288,7 @@ class ShmRingReader:
                 on_idle()
                 self._deep_sleep(seconds)
         _wait(lambda: buf[meta] == 1 and not buf[flag], None if timeout is None else time.monotonic() + timeout,
-              deep_sleep=deep_sleep)
+              deep_sleep=deep_sleep, deep_sleep_after=self._deep_sleep_after)
         start = layout.chunk(self._index)
         kind, length = _HEADER.unpack_from(buf, start)
         if kind == _INLINE:

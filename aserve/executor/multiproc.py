@@ -76,9 +76,11 @@ class MultiprocExecutor:
         while True:
             self._check_workers()
             try:
+                # The worker wakes us after every reply: sleep through the step on the
+                # side channel rather than waking up to look (see ShmRingWriter).
                 return ShmRingReader(self._response_names[rank], 0, 1,
                                      side_channel_address=f"ipc://{instance_dir}/dp{dp_rank}_resp{rank}",
-                                     zmq_context=self._ctx, max_chunk_bytes=max_chunk_bytes)
+                                     zmq_context=self._ctx, max_chunk_bytes=max_chunk_bytes, deep_sleep_after=0.0)
             except RingClosedError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"worker {rank} did not start") from None

@@ -75,7 +75,7 @@ def run_worker(cfg: WorkerProcConfig) -> None:
         broadcast = ShmRingReader(cfg.broadcast_name, cfg.rank, cfg.tp_size, side_channel_address=cfg.broadcast_side,
                                   zmq_context=ctx, max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
         response = ShmRingWriter(cfg.response_name, 1, side_channel_address=cfg.response_side, zmq_context=ctx,
-                                 max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
+                                 max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes, wake_every_write=True)
         _serve(cfg, broadcast, response, table)
     except KeyboardInterrupt:
         pass

@@ -450,8 +450,8 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidInputError(f"request id {request_id!r} is already in use", param="request_id")
-        engine = self._lb.pick(data_parallel_rank)
         state = RequestState(request_id, text, ids, params, self.tokenizer)
+        engine = self._lb.pick(data_parallel_rank)  # counted in flight from here: released in finally
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         self._streams[request_id] = send
         self._engine_of[request_id] = engine

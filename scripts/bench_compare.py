@@ -36,32 +36,10 @@ import time
 from pathlib import Path
 
 import httpx
+from proc_stats import process_tree, pss_mib
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 8731
-
-
-def tree(pid: int) -> list[int]:
-    out = [pid]
-    try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except FileNotFoundError:
-        return out
-    for kid in kids:
-        out += tree(int(kid))
-    return out
-
-
-def pss_mib(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1])
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            pass
-    return total / 1024
 
 
 class Running:
@@ -185,7 +163,7 @@ def main() -> None:
                     key = f"{size} {dtype} c={concurrency}"
                     print(f"{system}: {key} ...", file=sys.stderr, flush=True)
                     result = load(args, models[size], concurrency, prompts, f"{system}-{size}-c{concurrency}")
-                    result["pss_mib"] = pss_mib(tree(server.proc.pid))
+                    result["pss_mib"] = pss_mib(process_tree(server.proc.pid))
                     result["ready_s"] = server.ready_s
                     rows.setdefault(key, {})[system] = result
             finally:

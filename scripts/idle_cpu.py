@@ -12,26 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from pathlib import Path
 
 import anyio
 
 from aserve import SamplingParams
 from aserve.frontend.async_llm import AsyncLLM
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def process_tree(pid: int) -> list[int]:
-    out = [pid]
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-        out += process_tree(int(child))
-    return out
+from proc_stats import cpu_seconds, process_tree
 
 
 async def main(args: argparse.Namespace) -> None:

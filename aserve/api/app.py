@@ -130,11 +130,11 @@ class _Handler:
             start = last = time.monotonic()
             first = True
             request_id = f"{uuid.uuid4().hex}-{i}"
-            engine_label = "0"
+            engine_label = None
             async for out in self.engine.generate({"prompt": text, "prompt_token_ids": ids}, params,
                                                   request_id=request_id, priority=priority,
                                                   data_parallel_rank=data_parallel_rank):
-                if first:
+                if engine_label is None:  # the engine is known once generate has started
                     engine_label = str(self.engine.engine_for(request_id))
                     metrics.prompt_tokens.labels(engine_label).inc(len(ids))
                 now = time.monotonic()

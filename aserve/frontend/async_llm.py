@@ -69,7 +69,6 @@ from aserve.wire.codec import (
 )
 from aserve.wire.addresses import WireAddresses, ipc_addresses
 from aserve.wire.auth import secure_server
-from aserve.wire.messages import EngineCoreOutputs
 from aserve.wire.zmq_anyio import AsyncSocket
 
 logger = logging.getLogger("aserve.async_llm")
@@ -356,7 +355,6 @@ class AsyncLLM:
             self._wave = loads.wave
 
     async def _output_loop(self) -> None:
-        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         while True:
             frames = await self._pull.recv_multipart()
             if frames[0] == ENGINE_CORE_DEAD:
@@ -364,7 +362,7 @@ class AsyncLLM:
                     self._fail(EngineDeadError("an engine core stopped (ENGINE_CORE_DEAD)"))
                 return
             try:
-                outputs = decode_outputs(frames[0], decoder)
+                outputs = decode_outputs(frames[0])
             except WireError as exc:
                 logger.warning("dropped a malformed message from an engine: %s", exc)
                 continue

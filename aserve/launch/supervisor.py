@@ -155,13 +155,13 @@ async def _stop_all(procs: list[mp.process.BaseProcess], grace: float) -> None:
 
 async def _receive_report(reader: multiprocessing.connection.Connection, proc: mp.process.BaseProcess) -> list[str]:
     """The endpoints a child bound (tcp port 0), or an error if it exits first."""
-    async def child_exit(scope: anyio.CancelScope) -> None:
+    async def child_exit() -> None:
         await anyio.wait_readable(proc.sentinel)
         raise RuntimeError(f"{proc.name} exited (code {proc.exitcode}) before reporting its addresses")
 
     with anyio.fail_after(REPORT_TIMEOUT):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(child_exit, tg.cancel_scope)
+            tg.start_soon(child_exit)
             await anyio.wait_readable(reader.fileno())
             endpoints = reader.recv()
             tg.cancel_scope.cancel()

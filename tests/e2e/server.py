@@ -60,14 +60,7 @@ class Server:
         raise TimeoutError("aserve run did not become ready")
 
     def pids(self) -> list[int]:
-        def tree(pid: int) -> list[int]:
-            try:
-                kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-            except FileNotFoundError:
-                return []
-            return [k for c in kids for k in (c, *tree(c))]
-
-        return [self.proc.pid, *tree(self.proc.pid)]
+        return [self.proc.pid, *process_tree(self.proc.pid)]
 
     def titles(self) -> dict[str, int]:
         """Process title -> pid, for the whole tree (one pid per title)."""
@@ -113,3 +106,12 @@ def aserve_dirs() -> set[str]:
     import tempfile
 
     return {p.name for p in Path(tempfile.gettempdir()).glob("aserve_*-*")}
+
+
+def process_tree(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (not ``pid`` itself), depth first."""
+    try:
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+    return [k for c in kids for k in (c, *process_tree(c))]

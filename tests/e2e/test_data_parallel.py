@@ -19,13 +19,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import anyio
 import httpx
 import pytest
 
-from tests.e2e.server import Server, alive, aserve_dirs, aserve_shm
+from tests.e2e.server import Server, alive, aserve_dirs, aserve_shm, process_tree
 
 PROMPTS = [f"Request {i}: the quick brown fox" for i in range(64)]
 MAX_TOKENS = 12
@@ -111,6 +110,7 @@ def test_kill_9_of_one_engine_fails_its_requests_and_takes_the_tree_down(llama_d
     pids = server.pids()
     victim = server.titles()["aserve::engine_core_1"]
     outcome: dict = {}
+    started = threading.Event()  # set at the first streamed chunk, or when the stream ends
 
     def stream_on_engine_1() -> None:
         body = {"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True, "min_tokens": 200}
@@ -123,17 +123,16 @@ def test_kill_9_of_one_engine_fails_its_requests_and_takes_the_tree_down(llama_d
                         return
                     if line.startswith("data: {"):
                         outcome["streaming"] = True
+                        started.set()
         except httpx.HTTPError as exc:
             outcome["error"] = repr(exc)
+        finally:
+            started.set()
 
     reader = threading.Thread(target=stream_on_engine_1)
     reader.start()
     try:
-        deadline = time.monotonic() + 30
-        while "streaming" not in outcome and reader.is_alive():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)  # polling a thread's progress, not synchronising the server
-        assert "streaming" in outcome
+        assert started.wait(30) and "streaming" in outcome
         os.kill(victim, signal.SIGKILL)
         start = time.monotonic()
         health = httpx.get(server.base_url + "/health", timeout=2)
@@ -163,14 +162,6 @@ def _headless(llama_dir, port: int, secret: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _tree(pid: int) -> list[int]:
-    try:
-        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-    return [k for c in kids for k in (c, *_tree(c))]
-
-
 def test_two_nodes_serve_together_and_a_wrong_secret_is_refused(llama_dir):
     before = aserve_shm(), aserve_dirs()
     port, secret = _free_port(), "a-shared-secret-for-tests"
@@ -189,7 +180,7 @@ def test_two_nodes_serve_together_and_a_wrong_secret_is_refused(llama_dir):
         assert Counter(title for _, title in front.title_list()) == {
             "aserve::supervisor": 1, "aserve::api_server_0": 1, "aserve::api_server_1": 1, "aserve::coordinator": 1,
             "aserve::engine_core_0": 1, "aserve::worker_tp0": 1}
-        node_pids = [node.pid, *_tree(node.pid)]
+        node_pids = [node.pid, *process_tree(node.pid)]
         assert len(node_pids) == 3  # the node's supervisor, engine core 1 and its worker
         texts = {rank: [_greedy(front.base_url, p, **{"X-data-parallel-rank": rank}) for p in PROMPTS[:4]]
                  for rank in ("0", "1")}

@@ -2,7 +2,8 @@
 """aserve and vLLM's CPU build, one after the other, on the same models and the same load.
 
     python scripts/bench_compare.py [--vllm-venv /tmp/vllm-cpu-venv] [--out results/compare.json]
-                                    [--num-prompts 200] [--skip-152m] [--client aserve|vllm]
+                                    [--num-prompts 200] [--only LOAD ...] [--systems aserve vllm]
+                                    [--client aserve|vllm]
 
 Install the peer first (about 5 minutes; never a dependency of aserve):
 ``bash ../shared/peers/setup-vllm-cpu.sh /tmp/vllm-cpu-venv``.
@@ -15,11 +16,14 @@ from the peer's venv), measures the whole process tree's memory (PSS, shared pag
 split between processes) after the load, stops it, and prints one table with the
 ratios aserve / vLLM. Configurations (``../shared/peers/README.md``):
 
-- 7M Llama: aserve float32 with ``--worker-threads 1`` vs vLLM float32 with its default
-  CPU binding (each one's best on a tiny model); concurrency 32 (``--num-prompts``) and
-  concurrency 1 (a quarter as many);
+- 7M Llama, float32 and bfloat16: aserve with ``--worker-threads 1`` vs vLLM with its
+  default CPU binding (the model on one core: each one's best on a tiny model);
+  concurrency 32 (``--num-prompts``) and concurrency 1 (a quarter as many);
 - 152M Llama: aserve bfloat16 vs vLLM bfloat16 with both cores
   (``VLLM_CPU_OMP_THREADS_BIND=0-1``, its best here); concurrency 32.
+
+Every load gets a freshly started server. ``--only 7m-float32-c32 ...`` picks loads,
+``--systems aserve`` measures one system.
 
 Both servers get a 4 GiB KV cache. JSON of every run goes to ``--out``.
 """
@@ -120,18 +124,26 @@ def load(args: argparse.Namespace, model: Path, concurrency: int, prompts: int, 
                                    "median_tpot_ms", "p99_ttft_ms", "duration")}
 
 
-def serve_cmd(system: str, args: argparse.Namespace, model: Path, dtype: str) -> tuple[list[str], dict[str, str]]:
+def serve_cmd(system: str, args: argparse.Namespace, model: Path, dtype: str, size: str) -> tuple[list[str], dict[str, str]]:
     if system == "aserve":
         # Its best here, as vLLM's below: one torch thread for the tiny model (the other
         # core serves HTTP and schedules), both cores for the 152M one.
-        threads = ["--worker-threads", "1"] if dtype == "float32" else []
+        threads = ["--worker-threads", "1"] if size == "7m" else []
         return ([sys.executable, "-m", "aserve", "run", str(model), "--served-model-name", str(model), "--port",
                  str(PORT), "--dtype", dtype, "--log-level", "WARNING", *threads], {})
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
-    if dtype == "bfloat16":
+    if size == "152m":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
     return ([str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port",
              str(PORT), "--dtype", dtype], env)
+
+
+#: (model, dtype, concurrency); prompts: --num-prompts at concurrency 32, a quarter of it at 1.
+PLAN = (
+    ("7m", "float32", 32), ("7m", "float32", 1),
+    ("7m", "bfloat16", 32), ("7m", "bfloat16", 1),
+    ("152m", "bfloat16", 32),
+)
 
 
 def main() -> None:
@@ -139,33 +151,37 @@ def main() -> None:
     parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv")
     parser.add_argument("--out", default=str(ROOT / "results" / "compare.json"))
     parser.add_argument("--num-prompts", type=int, default=200)
-    parser.add_argument("--skip-152m", action="store_true")
+    parser.add_argument("--only", nargs="+", metavar="LOAD",
+                        help="run only these loads, named like 7m-float32-c32 (default: all)")
+    parser.add_argument("--systems", nargs="+", default=["aserve", "vllm"], choices=("aserve", "vllm"))
     parser.add_argument("--client", choices=("aserve", "vllm"), default="aserve")
     args = parser.parse_args()
     (ROOT / "results").mkdir(exist_ok=True)
-    systems = ["aserve"] + (["vllm"] if (Path(args.vllm_venv) / "bin" / "vllm").exists() else [])
-    if systems == ["aserve"]:
+    systems = [s for s in args.systems if s == "aserve" or (Path(args.vllm_venv) / "bin" / "vllm").exists()]
+    if "vllm" in args.systems and "vllm" not in systems:
         print(f"no vLLM at {args.vllm_venv}: measuring aserve only", file=sys.stderr)
     models = {"7m": ROOT / "bench-models" / "llama-7m", "152m": ROOT / "bench-models" / "llama-152m"}
-    plan = [("7m", "float32", [(32, args.num_prompts), (1, max(8, args.num_prompts // 4))])]
-    if not args.skip_152m:
-        plan.append(("152m", "bfloat16", [(32, args.num_prompts)]))
-    rows: dict = {}
-    for size, dtype, loads in plan:
+    plan = [p for p in PLAN if args.only is None or f"{p[0]}-{p[1]}-c{p[2]}" in args.only]
+    for size in dict.fromkeys(p[0] for p in plan):
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_bench_model.py"), str(models[size]), "--size",
                         size], check=True, stdout=subprocess.DEVNULL)
+    rows: dict = {}
+    for size, dtype, concurrency in plan:
+        prompts = args.num_prompts if concurrency > 1 else max(8, args.num_prompts // 4)
+        key = f"{size} {dtype} c={concurrency}"
         for system in systems:
-            cmd, env = serve_cmd(system, args, models[size], dtype)
+            # A fresh server for every load: after a concurrency-32 run, vLLM sent the
+            # streams of a following concurrency-1 run in bursts.
+            cmd, env = serve_cmd(system, args, models[size], dtype, size)
             # aserve answers HTTP while loading (/ready 503); vLLM listens once loaded (/health).
-            server = Running(f"{system}-{size}-{dtype}", cmd, env, "/ready" if system == "aserve" else "/health")
+            server = Running(f"{system}-{size}-{dtype}-c{concurrency}", cmd, env,
+                             "/ready" if system == "aserve" else "/health")
             try:
-                for concurrency, prompts in loads:
-                    key = f"{size} {dtype} c={concurrency}"
-                    print(f"{system}: {key} ...", file=sys.stderr, flush=True)
-                    result = load(args, models[size], concurrency, prompts, f"{system}-{size}-c{concurrency}")
-                    result["pss_mib"] = pss_mib(process_tree(server.proc.pid))
-                    result["ready_s"] = server.ready_s
-                    rows.setdefault(key, {})[system] = result
+                print(f"{system}: {key} ...", file=sys.stderr, flush=True)
+                result = load(args, models[size], concurrency, prompts, f"{system}-{size}-{dtype}-c{concurrency}")
+                result["pss_mib"] = pss_mib(process_tree(server.proc.pid))
+                result["ready_s"] = server.ready_s
+                rows.setdefault(key, {})[system] = result
             finally:
                 server.stop()
     Path(args.out).write_text(json.dumps(rows, indent=2))
@@ -174,7 +190,7 @@ def main() -> None:
         for system, r in by_system.items():
             print(f"{key:<22}{system:<8}{r['output_throughput']:>10.1f}{r['median_ttft_ms']:>10.1f}"
                   f"{r['median_itl_ms']:>9.2f}{r['pss_mib']:>9.0f}{r['ready_s']:>8.1f}")
-        if "vllm" in by_system:
+        if "vllm" in by_system and "aserve" in by_system:
             a, v = by_system["aserve"], by_system["vllm"]
             print(f"{'':<22}{'ratio':<8}{a['output_throughput'] / v['output_throughput']:>10.2f}"
                   f"{a['median_ttft_ms'] / v['median_ttft_ms']:>10.2f}{a['median_itl_ms'] / v['median_itl_ms']:>9.2f}"

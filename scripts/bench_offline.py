@@ -4,7 +4,8 @@
     python scripts/bench_offline.py [--model DIR] [--dtypes bfloat16 float32] [--num-prompts 32]
                                     [--input-len 128] [--output-len 128] [--threads 2] [--skip-hf]
 
-Both run in this one process, one after the other, on the same model directory (built
+Each runs in a fresh process of its own, one after the other (aserve tunes its
+process's malloc, which must not speed up the baseline), on the same model directory (built
 by ``make_bench_model.py`` when ``--model`` is not given), with the same random prompts
 (fixed seed), greedy, ignoring EOS, so both produce exactly num_prompts x output_len
 tokens. Prints output tokens/s for each and their ratio, and one JSON line per dtype.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import random
 import sys
 import time
@@ -74,6 +76,18 @@ def bench_transformers(model: Path, dtype: str, prompts: list[list[int]], output
     return len(prompts) * output_len / elapsed
 
 
+def _run_with_threads(fn, threads: int, *args):  # type: ignore[no-untyped-def]
+    torch.set_num_threads(threads)
+    return fn(*args)
+
+
+def _isolated(fn, threads: int, *args) -> float:  # type: ignore[no-untyped-def]
+    """Run one measurement in a fresh process: aserve tunes the process's malloc
+    (aserve.worker.cpu_memory), which must not speed up the transformers baseline."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_run_with_threads, (fn, threads, *args))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path("bench-models/llama-152m"))
@@ -92,8 +106,8 @@ def main() -> None:
           f"{args.threads} threads, torch {torch.__version__}")
     print(f"{'dtype':<10} {'aserve tok/s':>13} {'transformers tok/s':>19} {'ratio':>7}")
     for dtype in args.dtypes:
-        ours = bench_aserve(model, dtype, prompts, args.output_len)
-        theirs = None if args.skip_hf else bench_transformers(model, dtype, prompts, args.output_len)
+        ours = _isolated(bench_aserve, args.threads, model, dtype, prompts, args.output_len)
+        theirs = None if args.skip_hf else _isolated(bench_transformers, args.threads, model, dtype, prompts, args.output_len)
         ratio = ours / theirs if theirs else float("nan")
         print(f"{dtype:<10} {ours:>13.1f} {theirs or float('nan'):>19.1f} {ratio:>7.2f}")
         print(json.dumps({"dtype": dtype, "aserve_tok_s": round(ours, 1),

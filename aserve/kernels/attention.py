@@ -96,8 +96,9 @@ def paged_attention(
     write_kv(kv_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     kbuf, vbuf = meta.gather_buffers or (None, None)
-    out = torch.empty_like(q)
     nd = meta.num_decode_tokens
+    # A step of decodes only (the common case) returns the decode output itself.
+    out = None if not meta.prefills else torch.empty_like(q)
     if nd and meta.decode_rows is not None:
         assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None and meta.decode_mask is not None
         staged_k, staged_v = layer_kv.staged_keys, layer_kv.staged_values
@@ -112,16 +113,21 @@ def paged_attention(
             values = staged_v.index_select(0, meta.decode_rows)[:, :, :length]
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )  # [B, Hq, 1, D]
-        out[:nd] = o.squeeze(2)
+        ).squeeze(2)  # [B, Hq, D]
+        if out is None:
+            return o
+        out[:nd] = o
     elif nd:
         assert meta.decode_block_table is not None
         keys = gather_blocks(kv_cache[0], meta.decode_block_table, kbuf).transpose(1, 2)  # [B, Hk, L, D]
         values = gather_blocks(kv_cache[1], meta.decode_block_table, vbuf).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )  # [B, Hq, 1, D]
-        out[:nd] = o.squeeze(2)
+        ).squeeze(2)  # [B, Hq, D]
+        if out is None:
+            return o
+        out[:nd] = o
+    assert out is not None
     # Prefill tensors are 4-D ([1, H, S, D]): the CPU flash kernel takes only those,
     # and 3-D inputs fall back to the much slower math path.
     for chunk in meta.prefills:

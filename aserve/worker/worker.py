@@ -17,6 +17,7 @@ from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.model.hf_config import load_arch_config
 from aserve.launch.process_utils import ProgressBar
 from aserve.model.layers.linear import prepack_linears
+from aserve.worker.cpu_memory import keep_freed_memory
 from aserve.model.loader import load_model, resolve_dtype
 from aserve.worker.kv_spec import local_kv_heads
 from aserve.worker.model_runner import ModelRunner
@@ -30,6 +31,7 @@ class Worker:
         model_dir = Path(config.model.model)
         arch = load_arch_config(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, arch)
+        keep_freed_memory()
         progress = ProgressBar("aserve: loading weights") if show_progress else None
         model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
                            progress=progress)

@@ -3,8 +3,9 @@
 =====================  ===================================================  =======================
 variable               meaning                                              default
 =====================  ===================================================  =======================
-``ASERVE_CACHE_DIR``   where the embedded default model is built            ``~/.cache/aserve``
+``ASERVE_CACHE_DIR``   where the default model and the CPU kernel are built ``~/.cache/aserve``
 ``ASERVE_LOG_LEVEL``   log level of aserve's loggers                        ``INFO``
+``ASERVE_CPU_ATTENTION`` ``sdpa``: no C decode-attention kernel             ``kernel``
 ``ASERVE_DP_SECRET``   shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
 =====================  ===================================================  =======================
 
@@ -24,6 +25,7 @@ class Env:
     cache_dir: Path
     log_level: str
     dp_secret: str | None = None
+    cpu_attention: str = "kernel"
 
 
 def read_env(environ: dict[str, str] | None = None) -> Env:
@@ -33,4 +35,5 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         cache_dir=Path(environ.get("ASERVE_CACHE_DIR", default_cache)).expanduser(),
         log_level=environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
         dp_secret=environ.get("ASERVE_DP_SECRET") or None,
+        cpu_attention=environ.get("ASERVE_CPU_ATTENTION", "kernel").lower(),
     )

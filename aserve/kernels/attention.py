@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the CPU path, and the reference for device kernels.
 
 Everything the model needs from the KV cache goes through :func:`paged_attention`, so a
-CUDA build can swap in its own kernel behind the same signature.
+CUDA build can swap in its own kernel behind the same signature. Decode rows use the C
+kernel of :mod:`aserve.kernels.cpu_decode_attention` when the runner could build it.
 
 KV cache of one layer::
 
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from aserve.kernels.cpu_decode_attention import DecodeAttention
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -38,7 +41,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each token's K/V are written
     num_decode_tokens: int
     decode_block_table: torch.Tensor | None  # [num_decode, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] True where a key counts
+    # [num_decode, 1, 1, L]: 0 where a key counts, -inf where it does not (additive, in
+    # the model dtype: SDPA would convert a boolean mask again in every layer). None when
+    # every decode row attends to all L keys (always so for a single request).
+    decode_mask: torch.Tensor | None
     prefills: tuple[PrefillChunk, ...]
     # Flat scratch buffers for gathered keys and values, large enough for any gather
     # of this step. Reused by every layer: a fresh multi-megabyte tensor per gather
@@ -50,6 +56,12 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None
     decode_write_index: torch.Tensor | None = None
     decode_rows_packed: bool = False
+    decode_len: int = 0  # L: keys each decode row's attention reads (some masked)
+    # The C kernel (aserve.kernels.cpu_decode_attention), when the runner has it: decode
+    # rows then attend in place over the paged cache, through ``decode_block_table`` and
+    # these lengths ([num_decode] int64, the new token included).
+    decode_kernel: DecodeAttention | None = None
+    decode_seq_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -99,13 +111,19 @@ def paged_attention(
     nd = meta.num_decode_tokens
     # A step of decodes only (the common case) returns the decode output itself.
     out = None if not meta.prefills else torch.empty_like(q)
-    if nd and meta.decode_rows is not None:
-        assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None and meta.decode_mask is not None
+    if nd and meta.decode_kernel is not None:
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        o = meta.decode_kernel(q[:nd], kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale)
+        if out is None:
+            return o
+        out[:nd] = o
+    elif nd and meta.decode_rows is not None:
+        assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None
         staged_k, staged_v = layer_kv.staged_keys, layer_kv.staged_values
         d = k.shape[-1]
         staged_k.view(-1, d).index_copy_(0, meta.decode_write_index, k[:nd].reshape(-1, d))
         staged_v.view(-1, d).index_copy_(0, meta.decode_write_index, v[:nd].reshape(-1, d))
-        length = meta.decode_mask.shape[-1]
+        length = meta.decode_len
         if meta.decode_rows_packed:
             keys, values = staged_k[:nd, :, :length], staged_v[:nd, :, :length]  # views: [B, Hk, L, D]
         else:

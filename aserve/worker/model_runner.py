@@ -18,6 +18,8 @@ import torch
 from aserve.engine.scheduler import RunnerOutput
 from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, gather_numel
+from aserve.kernels.cpu_decode_attention import DecodeAttention
+from aserve.kernels.cpu_decode_attention import load as load_decode_kernel
 from aserve.sampling_params import SamplingParams
 from aserve.worker.decode_staging import DecodeStaging
 from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
@@ -35,13 +37,23 @@ class CachedRequestState:
     stop_token_ids: list[int]
 
 
+def _on_cpu(model: torch.nn.Module) -> bool:
+    return next(model.parameters()).device.type == "cpu"
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True,
+                 use_decode_kernel: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.sampler = Sampler(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[LayerKV] = []
+        # Decode attention (chosen in init_kv_cache, once the dtype is known): the C kernel
+        # over the paged cache where it builds (CPU; float32 and bfloat16), else SDPA over
+        # dense staged copies (use_decode_staging) or over gathered blocks.
+        self._want_decode_kernel = use_decode_kernel and _on_cpu(model)
+        self.decode_kernel: DecodeAttention | None = None
         self.use_decode_staging = use_decode_staging
         self.staging: DecodeStaging | None = None
 
@@ -56,7 +68,9 @@ class ModelRunner:
         self._kv_mapping.madvise(mmap.MADV_HUGEPAGE)
         cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
         self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
-        if self.use_decode_staging:
+        if self._want_decode_kernel and dtype in (torch.float32, torch.bfloat16):
+            self.decode_kernel = load_decode_kernel()
+        if self.use_decode_staging and self.decode_kernel is None:
             self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -127,7 +141,10 @@ class ModelRunner:
         decode_table = decode_mask = decode_rows = decode_write_index = None
         if num_decode:
             seq_lens = torch.tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
-            if staged_rows is not None:
+            if self.decode_kernel is not None:
+                length = int(seq_lens.max())
+                decode_table = block_table[:num_decode]
+            elif staged_rows is not None:
                 length = int(seq_lens.max())
                 assert self.staging is not None
                 decode_rows = torch.tensor(staged_rows)
@@ -136,21 +153,26 @@ class ModelRunner:
                 num_blocks = -(-int(seq_lens.max()) // bs)
                 length = num_blocks * bs
                 decode_table = block_table[:num_decode, :num_blocks]
-            valid = torch.arange(length).unsqueeze(0) < seq_lens.unsqueeze(1)  # [Nd, L]
-            decode_mask = valid[:, None, None, :]
+            if self.decode_kernel is None and int(seq_lens.min()) < length:
+                masked = torch.arange(length).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [Nd, L]
+                dtype = self.kv_caches[0].paged.dtype
+                decode_mask = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
         prefills = []
         for row in range(num_decode, len(scheduled)):
             state, n = scheduled[row]
             ctx = state.num_computed_tokens
             chunk_blocks = block_table[row, : -(-(ctx + n) // bs)] if ctx else None
             prefills.append(PrefillChunk(starts[row], starts[row] + n, ctx, chunk_blocks))
-        gathered = max([0 if decode_table is None else decode_table.numel()]
+        gathered = max([0 if decode_table is None or self.decode_kernel is not None else decode_table.numel()]
                        + [p.block_ids.numel() for p in prefills if p.block_ids is not None])
         buffers = self._gather_buffers_for(gathered) if gathered else None
         meta = AttentionMetadata(
             slot_mapping, num_decode, decode_table, decode_mask, tuple(prefills), buffers,
             decode_rows=decode_rows, decode_write_index=decode_write_index,
             decode_rows_packed=staged_rows is not None and staged_rows == list(range(num_decode)),
+            decode_len=length if num_decode else 0,
+            decode_kernel=self.decode_kernel if num_decode else None,
+            decode_seq_lens=seq_lens if num_decode else None,
         )
 
         hidden = self.model(torch.tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]

@@ -1,0 +1,130 @@
+"""Builds and calls the C decode-attention kernel (``cpu_decode_attention.c``) on CPU.
+
+In plain torch a decode step must copy each sequence's keys and values out of the
+paged cache before SDPA can read them (or keep a dense copy and write every new token
+twice); on the 152M model that copying and SDPA's per-head overhead took more time than
+all the GEMMs of the step. The C kernel reads the blocks in place.
+
+The kernel is compiled on first use with the system's C compiler (``gcc -O3
+-march=native``, about a second; no Python or torch headers) into
+``ASERVE_CACHE_DIR/kernels`` (default ``~/.cache/aserve/kernels``), keyed by the source, the flags
+and this CPU, and loaded with ctypes. Without a compiler, or with
+``ASERVE_CPU_ATTENTION=sdpa``, :func:`load` returns None and the model runner keeps the
+plain-torch path (:mod:`aserve.worker.decode_staging`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from aserve.envs import read_env
+
+logger = logging.getLogger("aserve.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp",
+          # Lets gcc vectorise the float32 dot products and sums (reassociation only:
+          # inf and NaN keep their meaning).
+          "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_LIMITS = {"group": 64, "head_dim": 512, "block_size": 128}
+
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _cpu_key() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cache_dir: Path) -> Path | None:
+    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if compiler is None:
+        logger.warning("no C compiler found: decode attention uses the slower plain-torch path")
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    target = cache_dir / f"cpu_decode_attention_{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: several workers may build at once.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("building the C decode-attention kernel failed (plain-torch path used):\n%s", result.stderr)
+            return None
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> DecodeAttention | None:
+    """The kernel as ``attend(q, keys, values, block_table, seq_lens, scale) -> out``, or
+    None where it is unavailable or switched off (``ASERVE_CPU_ATTENTION=sdpa``).
+
+    ``q``: [B, Hq, D] (rows and heads may be strided, the last dim contiguous);
+    ``keys`` / ``values``: one layer's paged cache halves, [num_blocks, block_size, Hk, D];
+    ``block_table``: int64 [B, max_blocks]; ``seq_lens``: int64 [B], the keys each row
+    attends to (its own new token included, already written to the cache). Returns
+    [B, Hq, D] in q's dtype (float32 or bfloat16).
+    """
+    env = read_env()
+    if env.cpu_attention == "sdpa":
+        return None
+    try:
+        path = _build(env.cache_dir / "kernels")
+    except OSError as exc:
+        logger.warning("could not build the C decode-attention kernel (plain-torch path used): %s", exc)
+        return None
+    if path is None:
+        return None
+    fn = ctypes.CDLL(str(path)).aserve_decode_attention
+    i64 = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 6 + [i64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+    def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype != q.dtype or values.dtype != q.dtype:
+            raise TypeError(f"decode attention takes float32 or bfloat16, not {q.dtype} / {keys.dtype}")
+        if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2) != keys.shape[-1] or q.stride(-1) != 1:
+            raise ValueError("decode attention needs [blocks, block_size, Hk, D] caches with contiguous heads")
+        if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64:
+            raise TypeError("block_table and seq_lens must be int64")
+        block_table = block_table.contiguous()
+        seq_lens = seq_lens.contiguous()
+        batch, hq, dim = q.shape
+        _, block_size, hk, _ = keys.shape
+        out = torch.empty(batch, hq, dim, dtype=q.dtype)
+        rc = fn(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
+                block_table.data_ptr(), seq_lens.data_ptr(),
+                batch, hq, hk, dim, block_size, block_table.shape[1],
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                keys.stride(0), keys.stride(1), keys.stride(2),
+                scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"decode attention supports at most {_LIMITS} (got {hq // hk} query heads per KV head, "
+                             f"head_dim {dim}, block size {block_size})")
+        return out
+
+    return attend

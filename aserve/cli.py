@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="auto", choices=DTYPES, help="weight and activation dtype")
     run.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output)")
     run.add_argument("--max-num-seqs", type=int, default=256, help="requests in one step")
-    run.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    run.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="token budget of one step (default: 2048 x the TP size, as vLLM's CPU server)")
     run.add_argument("--worker-threads", type=int, default=None,
                      help="torch threads per worker (default: this node's cores / its workers). On a small "
                           "machine a tiny model serves faster with fewer, leaving cores to the API server")
@@ -256,7 +257,7 @@ def _data_parallel(args: argparse.Namespace) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     from aserve.api.server import ApiServerConfig
-    from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
+    from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK
     from aserve.frontend.engine_args import resolve_model_path
     from aserve.launch.supervisor import model_name, run_headless, run_server
 
@@ -267,7 +268,8 @@ def _run(args: argparse.Namespace) -> int:
     engine_kwargs = dict(
         model=model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, dtype=args.dtype, max_model_len=args.max_model_len,
         seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK * args.tp,
         worker_threads=args.worker_threads,
         heartbeat_timeout=args.heartbeat_timeout,
     )

@@ -27,3 +27,11 @@ def test_bad_values_name_their_field(kwargs, param):
     with pytest.raises(ConfigError) as info:
         ParallelConfig(**kwargs)
     assert info.value.param == param
+
+
+def test_step_budget_defaults_scale_with_tensor_parallelism(llama_dir):
+    from aserve.frontend.engine_args import make_engine_config
+
+    assert make_engine_config(str(llama_dir)).scheduler.max_num_batched_tokens == 4096
+    assert make_engine_config(str(llama_dir), tensor_parallel_size=2).scheduler.max_num_batched_tokens == 8192
+    assert make_engine_config(str(llama_dir), max_num_batched_tokens=100).scheduler.max_num_batched_tokens == 100

@@ -118,7 +118,7 @@ class AsyncLLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
         startup_timeout: float = 600.0,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         attach: EngineAttachment | None = None,

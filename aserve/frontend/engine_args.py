@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from aserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
+    LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -36,11 +37,16 @@ def make_engine_config(
     block_size: int = 16,
     enable_prefix_caching: bool = True,
     max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int | None = None,
 ) -> EngineConfig:
-    """Raises ``ConfigError`` (naming the field) for an invalid value."""
+    """Raises ``ConfigError`` (naming the field) for an invalid value.
+
+    ``max_num_batched_tokens`` defaults to the library's budget times the TP size
+    (``LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK``; ``aserve run`` passes the server's)."""
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK * tensor_parallel_size
     return EngineConfig(
         model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,

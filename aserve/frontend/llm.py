@@ -51,7 +51,7 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int | None = None,
         tensor_parallel_size: int = 1,

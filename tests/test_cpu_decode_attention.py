@@ -92,3 +92,28 @@ def test_plain_torch_path_gives_the_kernels_tokens(monkeypatch, llama_dir):
     assert llm.engine.executor.worker.runner.decode_kernel is None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == \
         [o.outputs[0].token_ids for o in with_kernel]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writes_the_new_tokens_before_attending(attend, dtype):
+    gen = torch.Generator().manual_seed(7)
+    batch, hq, hk, dim, block_size = 5, 4, 2, 64, 16
+    cache = torch.randn(2, 32, block_size, hk, dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor([1, 16, 17, 40, 33])
+    block_table = torch.stack([torch.randperm(31, generator=gen)[:4] + 1 for _ in range(batch)])
+    q = torch.randn(batch, hq, dim, generator=gen).to(dtype)
+    kv = torch.randn(batch, 2 * hk, dim, generator=gen).to(dtype)  # strided halves, as the model's
+    new_k, new_v = kv[:, :hk], kv[:, hk:]
+    expected_cache = cache.clone()
+    for b in range(batch):
+        pos = int(seq_lens[b]) - 1
+        block = int(block_table[b, pos // block_size])
+        expected_cache[0, block, pos % block_size] = new_k[b]
+        expected_cache[1, block, pos % block_size] = new_v[b]
+    out = attend(q, cache[0], cache[1], block_table, seq_lens, dim**-0.5, new_k, new_v)
+    assert torch.equal(cache, expected_cache)  # exactly those slots changed
+    expected = reference(q, expected_cache[0], expected_cache[1], block_table, seq_lens, dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="both"):
+        attend(q, cache[0], cache[1], block_table, seq_lens, dim**-0.5, new_k, None)

@@ -105,15 +105,21 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
     kv_cache = layer_kv.paged
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    nd = meta.num_decode_tokens
+    if nd and meta.decode_kernel is not None:
+        # The kernel writes the decode tokens' keys and values itself.
+        if nd < k.shape[0]:
+            write_kv(kv_cache, k[nd:], v[nd:], meta.slot_mapping[nd:])
+    else:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     kbuf, vbuf = meta.gather_buffers or (None, None)
-    nd = meta.num_decode_tokens
     # A step of decodes only (the common case) returns the decode output itself.
     out = None if not meta.prefills else torch.empty_like(q)
     if nd and meta.decode_kernel is not None:
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
-        o = meta.decode_kernel(q[:nd], kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale)
+        o = meta.decode_kernel(q[:nd], kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale,
+                               k[:nd], v[:nd])
         if out is None:
             return o
         out[:nd] = o

@@ -1,7 +1,7 @@
 /* Decode attention over the paged KV cache, for CPU: one query token per sequence.
  *
- * Reads each sequence's keys and values where they lie in the paged cache (no gather,
- * no dense copy), one block at a time, with an online softmax in float32: per block,
+ * Writes each sequence's new key and value into its slot of the paged cache, then reads
+ * its keys and values where they lie (no gather, no dense copy), one block at a time, with an online softmax in float32: per block,
  * the scores of its tokens, then one rescale of the running sums. The query heads that
  * share a KV head (grouped-query attention) are handled together, and a token's keys
  * (values) of all heads are read as one row, in memory order, so each block streams.
@@ -21,7 +21,10 @@
 #define MAX_BLOCK 128   /* tokens per block */
 
 typedef struct {
-    const void *q, *k, *v;
+    const void *q;
+    void *k, *v; /* the layer's paged cache halves: this step's keys and values are written here */
+    const void *k_new, *v_new; /* [B, Hk, D] this step's keys and values (may be NULL: already written) */
+    int64_t k_new_stride_b, k_new_stride_h, v_new_stride_b, v_new_stride_h;
     void *out;
     const int64_t *block_table; /* [B, max_blocks] */
     const int64_t *seq_lens;    /* [B] */
@@ -77,6 +80,20 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
     const int64_t L = a->seq_lens[b];
     float q[MAX_HEADS][MAX_DIM], acc[MAX_HEADS][MAX_DIM], s[MAX_HEADS][MAX_BLOCK];
     float m[MAX_HEADS], l[MAX_HEADS];
+    if (a->k_new != NULL && L > 0) {
+        /* This token's keys and values, into the slot of position L - 1: by the thread
+           that reads that block next, so the write and the read share the cache lines. */
+        const int64_t slot = a->block_table[b * a->max_blocks + (L - 1) / bs] * a->kv_stride_block
+                             + ((L - 1) % bs) * a->kv_stride_token;
+        const size_t elt = is_bf16 ? 2 : 4;
+        for (int64_t hk = hk0; hk < hk1; hk++) {
+            const int64_t dst = slot + hk * a->kv_stride_head;
+            const int64_t k_src = b * a->k_new_stride_b + hk * a->k_new_stride_h;
+            const int64_t v_src = b * a->v_new_stride_b + hk * a->v_new_stride_h;
+            memcpy((char *)a->k + dst * elt, (const char *)a->k_new + k_src * elt, D * elt);
+            memcpy((char *)a->v + dst * elt, (const char *)a->v_new + v_src * elt, D * elt);
+        }
+    }
     for (int64_t j = 0; j < NH; j++) {
         const int64_t h = hk0 * G + j;
         if (is_bf16) {
@@ -172,7 +189,9 @@ static void run_tasks(const Args *a) {
 }
 
 /* Returns 0, or -1 when a size exceeds the fixed limits above (the caller checks). */
-int aserve_decode_attention(const void *q, const void *k, const void *v, void *out,
+int aserve_decode_attention(const void *q, void *k, void *v, const void *k_new, const void *v_new,
+                            int64_t k_new_stride_b, int64_t k_new_stride_h,
+                            int64_t v_new_stride_b, int64_t v_new_stride_h, void *out,
                             const int64_t *block_table, const int64_t *seq_lens,
                             int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, int64_t max_blocks,
                             int64_t q_stride_b, int64_t q_stride_h, int64_t out_stride_b, int64_t out_stride_h,
@@ -183,7 +202,8 @@ int aserve_decode_attention(const void *q, const void *k, const void *v, void *o
     /* Every task must fit MAX_HEADS query heads: with more than that per sequence,
        run_tasks splits the heads into enough chunks (checked there). */
     if (num_threads < 1) num_threads = 1;
-    const Args args = {q, k, v, out, block_table, seq_lens, B, Hq, Hk, D, block_size, max_blocks,
+    const Args args = {q, k, v, k_new, v_new, k_new_stride_b, k_new_stride_h, v_new_stride_b, v_new_stride_h,
+                       out, block_table, seq_lens, B, Hq, Hk, D, block_size, max_blocks,
                        q_stride_b, q_stride_h, out_stride_b, out_stride_h,
                        kv_stride_block, kv_stride_token, kv_stride_head, scale, is_bf16, num_threads};
     run_tasks(&args);

@@ -39,7 +39,8 @@ _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared
           "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _LIMITS = {"group": 64, "head_dim": 512, "block_size": 128}
 
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+#: ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None, new_values=None)``
+DecodeAttention = Callable[..., torch.Tensor]
 
 
 def _cpu_key() -> str:
@@ -85,8 +86,9 @@ def load() -> DecodeAttention | None:
     ``q``: [B, Hq, D] (rows and heads may be strided, the last dim contiguous);
     ``keys`` / ``values``: one layer's paged cache halves, [num_blocks, block_size, Hk, D];
     ``block_table``: int64 [B, max_blocks]; ``seq_lens``: int64 [B], the keys each row
-    attends to (its own new token included, already written to the cache). Returns
-    [B, Hq, D] in q's dtype (float32 or bfloat16).
+    attends to, its own new token included: either already in the cache, or given as
+    ``new_keys`` / ``new_values`` ([B, Hk, D]), which the kernel writes into the slot of
+    position ``seq_len - 1`` first. Returns [B, Hq, D] in q's dtype (float32 or bfloat16).
     """
     env = read_env()
     if env.cpu_attention == "sdpa":
@@ -100,23 +102,36 @@ def load() -> DecodeAttention | None:
         return None
     fn = ctypes.CDLL(str(path)).aserve_decode_attention
     i64 = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 6 + [i64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    ptr = ctypes.c_void_p
+    fn.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+               seq_lens: torch.Tensor, scale: float, new_keys: torch.Tensor | None = None,
+               new_values: torch.Tensor | None = None) -> torch.Tensor:
         if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype != q.dtype or values.dtype != q.dtype:
             raise TypeError(f"decode attention takes float32 or bfloat16, not {q.dtype} / {keys.dtype}")
         if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2) != keys.shape[-1] or q.stride(-1) != 1:
             raise ValueError("decode attention needs [blocks, block_size, Hk, D] caches with contiguous heads")
         if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64:
             raise TypeError("block_table and seq_lens must be int64")
+        if (new_keys is None) != (new_values is None):
+            raise ValueError("pass both new_keys and new_values, or neither")
+        if new_keys is not None and new_values is not None:
+            shape = (q.shape[0], keys.shape[2], keys.shape[3])
+            for t in (new_keys, new_values):
+                if t.shape != shape or t.dtype != q.dtype or t.stride(-1) != 1:
+                    raise ValueError("new_keys / new_values must be [B, Hk, D] in q's dtype, last dim contiguous")
+            new_k, new_v = new_keys.data_ptr(), new_values.data_ptr()
+            new_strides = (*new_keys.stride()[:2], *new_values.stride()[:2])
+        else:
+            new_k, new_v, new_strides = None, None, (0, 0, 0, 0)
         block_table = block_table.contiguous()
         seq_lens = seq_lens.contiguous()
         batch, hq, dim = q.shape
         _, block_size, hk, _ = keys.shape
         out = torch.empty(batch, hq, dim, dtype=q.dtype)
-        rc = fn(q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(),
+        rc = fn(q.data_ptr(), keys.data_ptr(), values.data_ptr(), new_k, new_v, *new_strides, out.data_ptr(),
                 block_table.data_ptr(), seq_lens.data_ptr(),
                 batch, hq, hk, dim, block_size, block_table.shape[1],
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),

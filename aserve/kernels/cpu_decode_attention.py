@@ -44,13 +44,15 @@ DecodeAttention = Callable[..., torch.Tensor]
 
 
 def _cpu_key() -> str:
+    """The CPU's model and instruction-set flags: a VM may hide flags of the same model,
+    and code built with ``-march=native`` for more flags would fault."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return model + flags or platform.processor()
 
 
 def _build(cache_dir: Path) -> Path | None:

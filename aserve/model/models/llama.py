@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         qk = self.rotary(rope, qk)  # [T, Hq + Hk, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        o = self.attn(q, k.contiguous(), v.contiguous(), kv_cache, meta)  # [T, Hq, D]
+        o = self.attn(q, k, v, kv_cache, meta)  # [T, Hq, D]; k and v are strided views
         return self.o_proj(o.reshape(n, self.q_size))
 
 

@@ -38,6 +38,7 @@ def reference(q, keys, values, block_table, seq_lens, scale):
     (32, 16, 16, 64, 16),  # the 152M benchmark's shape
     (3, 8, 1, 128, 8),     # one KV head, head_dim 128, small blocks
     (4, 6, 3, 32, 16),     # a head_dim without its own specialisation
+    (2, 126, 3, 32, 16),   # more query heads than one task holds: split by KV heads
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, threads):

@@ -116,38 +116,8 @@ def paged_attention(
     kbuf, vbuf = meta.gather_buffers or (None, None)
     # A step of decodes only (the common case) returns the decode output itself.
     out = None if not meta.prefills else torch.empty_like(q)
-    if nd and meta.decode_kernel is not None:
-        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
-        o = meta.decode_kernel(q[:nd], kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale,
-                               k[:nd], v[:nd])
-        if out is None:
-            return o
-        out[:nd] = o
-    elif nd and meta.decode_rows is not None:
-        assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None
-        staged_k, staged_v = layer_kv.staged_keys, layer_kv.staged_values
-        d = k.shape[-1]
-        staged_k.view(-1, d).index_copy_(0, meta.decode_write_index, k[:nd].reshape(-1, d))
-        staged_v.view(-1, d).index_copy_(0, meta.decode_write_index, v[:nd].reshape(-1, d))
-        length = meta.decode_len
-        if meta.decode_rows_packed:
-            keys, values = staged_k[:nd, :, :length], staged_v[:nd, :, :length]  # views: [B, Hk, L, D]
-        else:
-            keys = staged_k.index_select(0, meta.decode_rows)[:, :, :length]
-            values = staged_v.index_select(0, meta.decode_rows)[:, :, :length]
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        ).squeeze(2)  # [B, Hq, D]
-        if out is None:
-            return o
-        out[:nd] = o
-    elif nd:
-        assert meta.decode_block_table is not None
-        keys = gather_blocks(kv_cache[0], meta.decode_block_table, kbuf).transpose(1, 2)  # [B, Hk, L, D]
-        values = gather_blocks(kv_cache[1], meta.decode_block_table, vbuf).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        ).squeeze(2)  # [B, Hq, D]
+    if nd:
+        o = _decode_attention(q[:nd], k[:nd], v[:nd], layer_kv, meta, scale, gqa)
         if out is None:
             return o
         out[:nd] = o
@@ -170,3 +140,35 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: LayerKV, meta: AttentionMetadata,
+                      scale: float, gqa: bool) -> torch.Tensor:
+    """The decode rows' attention ([Nd, Hq, D]) by whichever path the runner set up: the C
+    kernel (it writes k and v itself), dense staging, or SDPA over gathered blocks."""
+    kv_cache = layer_kv.paged
+    if meta.decode_kernel is not None:
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        return meta.decode_kernel(q, kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale,
+                                  k, v)
+    if meta.decode_rows is not None:
+        assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None
+        staged_k, staged_v = layer_kv.staged_keys, layer_kv.staged_values
+        d = k.shape[-1]
+        staged_k.view(-1, d).index_copy_(0, meta.decode_write_index, k.reshape(-1, d))
+        staged_v.view(-1, d).index_copy_(0, meta.decode_write_index, v.reshape(-1, d))
+        length = meta.decode_len
+        if meta.decode_rows_packed:
+            nd = q.shape[0]
+            keys, values = staged_k[:nd, :, :length], staged_v[:nd, :, :length]  # views: [B, Hk, L, D]
+        else:
+            keys = staged_k.index_select(0, meta.decode_rows)[:, :, :length]
+            values = staged_v.index_select(0, meta.decode_rows)[:, :, :length]
+    else:
+        assert meta.decode_block_table is not None
+        kbuf, vbuf = meta.gather_buffers or (None, None)
+        keys = gather_blocks(kv_cache[0], meta.decode_block_table, kbuf).transpose(1, 2)  # [B, Hk, L, D]
+        values = gather_blocks(kv_cache[1], meta.decode_block_table, vbuf).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+    ).squeeze(2)  # [B, Hq, D]

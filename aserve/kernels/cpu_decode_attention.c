@@ -1,8 +1,9 @@
 /* Decode attention over the paged KV cache, for CPU: one query token per sequence.
  *
  * Writes each sequence's new key and value into its slot of the paged cache, then reads
- * its keys and values where they lie (no gather, no dense copy), one block at a time, with an online softmax in float32: per block,
- * the scores of its tokens, then one rescale of the running sums. The query heads that
+ * its keys and values where they lie (no gather, no dense copy), one block at a time,
+ * with an online softmax in float32: per block, the scores of its tokens, then one
+ * rescale of the running sums. The query heads that
  * share a KV head (grouped-query attention) are handled together, and a token's keys
  * (values) of all heads are read as one row, in memory order, so each block streams.
  *
@@ -170,12 +171,14 @@ static void dispatch_task(const Args *a, int64_t b, int64_t hk0, int64_t hk1) {
     }
 }
 
-/* Tasks: (sequence, chunk of KV heads); a chunk holds every KV head unless there are
- * fewer sequences than threads, and never more than MAX_HEADS query heads. */
+/* Tasks: (sequence, chunk of KV heads). A chunk holds every KV head unless there are
+ * fewer sequences than threads, or more query heads than one task holds (MAX_HEADS):
+ * with at least ceil(Hk / (MAX_HEADS / G)) chunks, none exceeds MAX_HEADS query heads
+ * (G <= MAX_HEADS is checked by the caller). */
 static void run_tasks(const Args *a) {
-    const int64_t G = a->Hq / a->Hk;
+    const int64_t G = a->Hq / a->Hk, per_task = MAX_HEADS / G;
     int64_t chunks = a->B >= a->num_threads ? 1 : (a->num_threads + a->B - 1) / a->B;
-    if (chunks < (a->Hq + MAX_HEADS - 1) / MAX_HEADS) chunks = (a->Hq + MAX_HEADS - 1) / MAX_HEADS;
+    if (chunks < (a->Hk + per_task - 1) / per_task) chunks = (a->Hk + per_task - 1) / per_task;
     if (chunks > a->Hk) chunks = a->Hk;
     const int64_t tasks = a->B * chunks;
     /* OpenMP from the libgomp torch already loaded (same soname), so these are torch's
@@ -184,7 +187,7 @@ static void run_tasks(const Args *a) {
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t b = task / chunks, c = task % chunks;
         const int64_t hk0 = a->Hk * c / chunks, hk1 = a->Hk * (c + 1) / chunks;
-        if ((hk1 - hk0) * G <= MAX_HEADS) dispatch_task(a, b, hk0, hk1);
+        dispatch_task(a, b, hk0, hk1);
     }
 }
 
@@ -199,8 +202,6 @@ int aserve_decode_attention(const void *q, void *k, void *v, const void *k_new, 
                             float scale, int is_bf16, int num_threads) {
     if (Hq / Hk > MAX_HEADS || D > MAX_DIM || block_size > MAX_BLOCK || Hq % Hk) return -1;
     if (num_threads > B * Hk) num_threads = (int)(B * Hk);
-    /* Every task must fit MAX_HEADS query heads: with more than that per sequence,
-       run_tasks splits the heads into enough chunks (checked there). */
     if (num_threads < 1) num_threads = 1;
     const Args args = {q, k, v, k_new, v_new, k_new_stride_b, k_new_stride_h, v_new_stride_b, v_new_stride_h,
                        out, block_table, seq_lens, B, Hq, Hk, D, block_size, max_blocks,

@@ -82,8 +82,9 @@ def _build(cache_dir: Path) -> Path | None:
 
 
 def load() -> DecodeAttention | None:
-    """The kernel as ``attend(q, keys, values, block_table, seq_lens, scale) -> out``, or
-    None where it is unavailable or switched off (``ASERVE_CPU_ATTENTION=sdpa``).
+    """The kernel as ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None,
+    new_values=None) -> out``, or None where it is unavailable or switched off
+    (``ASERVE_CPU_ATTENTION=sdpa``).
 
     ``q``: [B, Hq, D] (rows and heads may be strided, the last dim contiguous);
     ``keys`` / ``values``: one layer's paged cache halves, [num_blocks, block_size, Hk, D];

@@ -1,4 +1,5 @@
-"""Dense copies of the keys and values of decoding requests: the CPU decode fast path.
+"""Dense copies of the keys and values of decoding requests: the plain-torch CPU decode
+path, used where the C kernel (:mod:`aserve.kernels.cpu_decode_attention`) is not.
 
 Attention over a paged cache must first gather each request's blocks into one tensor.
 On a GPU a kernel reads the blocks in place; in plain torch on a CPU the gather copies

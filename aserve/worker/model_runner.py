@@ -37,22 +37,16 @@ class CachedRequestState:
     stop_token_ids: list[int]
 
 
-def _on_cpu(model: torch.nn.Module) -> bool:
-    return next(model.parameters()).device.type == "cpu"
-
-
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True,
-                 use_decode_kernel: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.sampler = Sampler(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[LayerKV] = []
         # Decode attention (chosen in init_kv_cache, once the dtype is known): the C kernel
-        # over the paged cache where it builds (CPU; float32 and bfloat16), else SDPA over
+        # over the paged cache where it builds (float32 and bfloat16), else SDPA over
         # dense staged copies (use_decode_staging) or over gathered blocks.
-        self._want_decode_kernel = use_decode_kernel and _on_cpu(model)
         self.decode_kernel: DecodeAttention | None = None
         self.use_decode_staging = use_decode_staging
         self.staging: DecodeStaging | None = None
@@ -68,7 +62,7 @@ class ModelRunner:
         self._kv_mapping.madvise(mmap.MADV_HUGEPAGE)
         cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
         self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
-        if self._want_decode_kernel and dtype in (torch.float32, torch.bfloat16):
+        if dtype in (torch.float32, torch.bfloat16):  # the pool is host memory: the CPU kernel applies
             self.decode_kernel = load_decode_kernel()
         if self.use_decode_staging and self.decode_kernel is None:
             self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
@@ -138,11 +132,12 @@ class ModelRunner:
         row_t = torch.tensor(row_of_token)
         slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
 
-        decode_table = decode_mask = decode_rows = decode_write_index = None
+        decode_table = decode_mask = decode_rows = decode_write_index = seq_lens = None
+        length = 0  # keys each decode row's SDPA reads (not used by the kernel)
+        gathered = 0  # blocks the decode rows gather per layer
         if num_decode:
             seq_lens = torch.tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
             if self.decode_kernel is not None:
-                length = int(seq_lens.max())
                 decode_table = block_table[:num_decode]
             elif staged_rows is not None:
                 length = int(seq_lens.max())
@@ -153,7 +148,8 @@ class ModelRunner:
                 num_blocks = -(-int(seq_lens.max()) // bs)
                 length = num_blocks * bs
                 decode_table = block_table[:num_decode, :num_blocks]
-            if self.decode_kernel is None and int(seq_lens.min()) < length:
+                gathered = decode_table.numel()
+            if int(seq_lens.min()) < length:
                 masked = torch.arange(length).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [Nd, L]
                 dtype = self.kv_caches[0].paged.dtype
                 decode_mask = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
@@ -163,16 +159,13 @@ class ModelRunner:
             ctx = state.num_computed_tokens
             chunk_blocks = block_table[row, : -(-(ctx + n) // bs)] if ctx else None
             prefills.append(PrefillChunk(starts[row], starts[row] + n, ctx, chunk_blocks))
-        gathered = max([0 if decode_table is None or self.decode_kernel is not None else decode_table.numel()]
-                       + [p.block_ids.numel() for p in prefills if p.block_ids is not None])
+        gathered = max([gathered] + [p.block_ids.numel() for p in prefills if p.block_ids is not None])
         buffers = self._gather_buffers_for(gathered) if gathered else None
         meta = AttentionMetadata(
             slot_mapping, num_decode, decode_table, decode_mask, tuple(prefills), buffers,
             decode_rows=decode_rows, decode_write_index=decode_write_index,
             decode_rows_packed=staged_rows is not None and staged_rows == list(range(num_decode)),
-            decode_len=length if num_decode else 0,
-            decode_kernel=self.decode_kernel if num_decode else None,
-            decode_seq_lens=seq_lens if num_decode else None,
+            decode_len=length, decode_kernel=self.decode_kernel, decode_seq_lens=seq_lens,
         )
 
         hidden = self.model(torch.tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]

@@ -17,8 +17,8 @@ from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.model.hf_config import load_arch_config
 from aserve.launch.process_utils import ProgressBar
 from aserve.model.layers.linear import prepack_linears
-from aserve.worker.cpu_memory import keep_freed_memory
 from aserve.model.loader import load_model, resolve_dtype
+from aserve.worker.cpu_memory import keep_freed_memory
 from aserve.worker.kv_spec import local_kv_heads
 from aserve.worker.model_runner import ModelRunner
 

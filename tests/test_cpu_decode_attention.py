@@ -39,6 +39,7 @@ def reference(q, keys, values, block_table, seq_lens, scale):
     (3, 8, 1, 128, 8),     # one KV head, head_dim 128, small blocks
     (4, 6, 3, 32, 16),     # a head_dim without its own specialisation
     (2, 126, 3, 32, 16),   # more query heads than one task holds: split by KV heads
+    (3, 4, 2, 48, 16),     # head_dim not a multiple of 32: the portable C loop, not AVX-512
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, threads):
@@ -60,6 +61,24 @@ def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, thread
         torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_long_sequences_cross_chunks(attend, dtype, tol):
+    # The kernel takes a sequence 256 tokens at a time and rescales its running sums
+    # between chunks: lengths around and over that, with sharp scores (a large scale)
+    # so that a later chunk's maximum differs from an earlier one's.
+    gen = torch.Generator().manual_seed(7)
+    block_size, hq, hk, dim = 16, 8, 2, 64
+    seq_lens = torch.tensor([255, 256, 257, 700, 1])
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    num_blocks = len(seq_lens) * max_blocks + 1
+    cache = torch.randn(2, num_blocks, block_size, hk, dim, generator=gen).to(dtype)
+    q = (torch.randn(len(seq_lens), hq, dim, generator=gen) * 4).to(dtype)
+    block_table = torch.randperm(num_blocks - 1, generator=gen)[: len(seq_lens) * max_blocks].view(len(seq_lens), -1) + 1
+    out = attend(q, cache[0], cache[1], block_table, seq_lens, dim**-0.5)
+    expected = reference(q, cache[0], cache[1], block_table, seq_lens, dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
 def test_rejects_other_dtypes_and_layouts(attend):

@@ -7,6 +7,9 @@
  * share a KV head (grouped-query attention) are handled together, and a token's keys
  * (values) of all heads are read as one row, in memory order, so each block streams.
  *
+ * With AVX-512 (and a head_dim that is a multiple of 32) a vectorised form of the same
+ * task runs instead; see one_task_avx512.
+ *
  * Built at run time by aserve/kernels/cpu_decode_attention.py (gcc -O3 -march=native)
  * and called through ctypes with raw pointers: no Python or torch headers, so the build
  * takes about a second. Work is split over sequences (and over KV heads when there are
@@ -50,6 +53,25 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
     if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40); /* NaN */
     x.u += 0x7fffu + ((x.u >> 16) & 1u);
     return (uint16_t)(x.u >> 16);
+}
+
+/* exp(x) for x <= 0, vectorisable (no call): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2,
+ * p of degree 6 (relative error under 2e-7, about one float rounding). Softmax weights
+ * below exp(-87) (under 1e-37 of the largest, which is 1) come out as 2^-126, not 0. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
 }
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
@@ -124,13 +146,15 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
         for (int64_t j = 0; j < NH; j++) {
             float mx = m[j];
             for (int64_t t = 0; t < n; t++) mx = s[j][t] > mx ? s[j][t] : mx;
-            const float corr = expf(m[j] - mx); /* 0 on the first block: m is -FLT_MAX */
+            const float corr = exp_nonpos(m[j] - mx); /* ~0 on the first block: m is -FLT_MAX */
             float sum = l[j] * corr;
             if (corr != 1.f)
                 for (int64_t i = 0; i < D; i++) acc[j][i] *= corr;
+            float *sj = s[j];
+#pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < n; t++) {
-                s[j][t] = expf(s[j][t] - mx);
-                sum += s[j][t];
+                sj[t] = exp_nonpos(sj[t] - mx);
+                sum += sj[t];
             }
             m[j] = mx;
             l[j] = sum;
@@ -159,9 +183,216 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* The same task with AVX-512, a sequence CHUNK tokens at a time, in three passes:
+ *   1. the scores of every head of the task, 16 tokens at a time: 16 independent dot
+ *      products per head, reduced together by a transpose-and-add tree (15 shuffles and
+ *      adds for all 16 instead of 16 horizontal sums);
+ *   2. per head, the chunk's maximum, the exponentials (a vector exp) and their sum, and
+ *      the running sums rescaled to the new maximum;
+ *   3. the weighted values, 16 tokens at a time, with two accumulators per head.
+ * Passes 1 and 3 read the chunk's rows in memory order and prefetch two groups ahead
+ * (the next block is usually on another page, where the hardware prefetcher stops).
+ * The portable loop above softmaxes block by block in one chain of dependent
+ * reductions; this one gives the core independent work to overlap, and reads the cache
+ * at about 20 GB/s on two cores of this machine against 12 (152M model: 2.2 -> 1.3 ms a
+ * layer).
+ *
+ * bfloat16 rows are widened without shuffles: a 32-bit lane holding elements (2i, 2i+1)
+ * gives element 2i by a left shift and element 2i+1 by a mask, so a row of D elements is
+ * held as D/16 vectors in an even/odd order ("slots"), the same for the query, the keys,
+ * the values and the accumulator, and put back in order only for the output. */
+
+#define CHUNK 256
+#define MAX_VEC (MAX_DIM / 16)
+
+/* Row of D elements -> nv = D / 16 float vectors (bf16: slot 2c holds elements 32c + 2l,
+ * slot 2c + 1 elements 32c + 2l + 1; float32: slot s holds elements 16s + l). */
+static inline __attribute__((always_inline)) void load_row(const char *p, __m512 *v, const int64_t nv, const int is_bf16) {
+    if (is_bf16) {
+        const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+        for (int64_t c = 0; c < nv / 2; c++) {
+            const __m512i u = _mm512_loadu_si512((const void *)(p + c * 64));
+            v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+            v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, hi));
+        }
+    } else {
+        for (int64_t i = 0; i < nv; i++) v[i] = _mm512_loadu_ps((const float *)p + 16 * i);
+    }
+}
+
+static inline int64_t slot_element(int64_t slot, int64_t lane, const int is_bf16) {
+    return is_bf16 ? 32 * (slot / 2) + 2 * lane + (slot % 2) : 16 * slot + lane;
+}
+
+/* exp(x) for x <= 0, lane-wise: the same formula as exp_nonpos. */
+static inline __m512 exp16_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane t of the result is the sum of the 16 lanes of v[t]. */
+static inline __m512 sum16x16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit chunk: pairs of lanes of v[2i] and v[2i+1] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit chunk c: the chunk's sum of v[4i .. 4i+3] */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* Chunk c of the result: b[c] summed over its four chunks. */
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+static inline __attribute__((always_inline)) void one_task_avx512(const Args *a, int64_t b, int64_t hk0, int64_t hk1,
+                                                                    const int64_t D, const int is_bf16) {
+    const int64_t G = a->Hq / a->Hk, bs = a->block_size, nv = D / 16, elt = is_bf16 ? 2 : 4;
+    const int64_t NH = (hk1 - hk0) * G;
+    const int64_t L = a->seq_lens[b];
+    const int64_t *table = a->block_table + b * a->max_blocks;
+    float acc[MAX_HEADS][MAX_DIM] __attribute__((aligned(64)));
+    float s[MAX_HEADS][CHUNK] __attribute__((aligned(64)));
+    float m[MAX_HEADS], l[MAX_HEADS], mx[MAX_HEADS];
+    int64_t row[CHUNK + 32]; /* byte offset of each token's row (first head of the task) in the cache halves */
+    if (a->k_new != NULL && L > 0) {
+        const int64_t slot = table[(L - 1) / bs] * a->kv_stride_block + ((L - 1) % bs) * a->kv_stride_token;
+        for (int64_t hk = hk0; hk < hk1; hk++) {
+            const int64_t dst = slot + hk * a->kv_stride_head;
+            memcpy((char *)a->k + dst * elt, (const char *)a->k_new + (b * a->k_new_stride_b + hk * a->k_new_stride_h) * elt, D * elt);
+            memcpy((char *)a->v + dst * elt, (const char *)a->v_new + (b * a->v_new_stride_b + hk * a->v_new_stride_h) * elt, D * elt);
+        }
+    }
+    for (int64_t j = 0; j < NH; j++) {
+        memset(acc[j], 0, sizeof(float) * D);
+        m[j] = -FLT_MAX;
+        l[j] = 0.f;
+    }
+    const char *kbase = (const char *)a->k, *vbase = (const char *)a->v;
+    const int64_t row_bytes = (hk1 - hk0) * a->kv_stride_head * elt; /* the task's heads of one token */
+    for (int64_t c0 = 0; c0 < L; c0 += CHUNK) {
+        const int64_t n = L - c0 < CHUNK ? L - c0 : CHUNK;
+        /* Two groups past the chunk too, for prefetching (clamped to the sequence). */
+        const int64_t n_ahead = L - c0 < CHUNK + 32 ? L - c0 : CHUNK + 32;
+        for (int64_t t = 0, pos = c0; t < n_ahead; t++, pos++)
+            row[t] = (table[pos / bs] * a->kv_stride_block + (pos % bs) * a->kv_stride_token + hk0 * a->kv_stride_head) * elt;
+        /* Scores, 16 tokens at a time, every head of the task: each group's rows are read
+           in memory order, and the group after next is prefetched (a new block is
+           usually on another page, where the hardware prefetcher stops). */
+        for (int64_t j = 0; j < NH; j++) mx[j] = -FLT_MAX;
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
+            for (int64_t t = t0 + 32; t < t0 + 48 && t < n_ahead; t++)
+                for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(kbase + row[t] + off, _MM_HINT_T0);
+            for (int64_t j = 0; j < NH; j++) {
+                const int64_t h = hk0 * G + j, head_off = (j / G) * a->kv_stride_head * elt;
+                __m512 qv[MAX_VEC], kv[MAX_VEC], dots[16];
+                load_row((const char *)a->q + (b * a->q_stride_b + h * a->q_stride_h) * elt, qv, nv, is_bf16);
+                for (int64_t t = 0; t < 16; t++) {
+                    __m512 d = _mm512_setzero_ps();
+                    if (t < cnt) {
+                        load_row(kbase + row[t0 + t] + head_off, kv, nv, is_bf16);
+                        for (int64_t i = 0; i < nv; i++) d = _mm512_fmadd_ps(qv[i], kv[i], d);
+                    }
+                    dots[t] = d;
+                }
+                const __m512 sc = _mm512_mask_blend_ps((__mmask16)((1u << cnt) - 1u), _mm512_set1_ps(-FLT_MAX),
+                                                       _mm512_mul_ps(sum16x16(dots), _mm512_set1_ps(a->scale)));
+                _mm512_store_ps(s[j] + t0, sc);
+                const float gm = _mm512_reduce_max_ps(sc);
+                mx[j] = gm > mx[j] ? gm : mx[j];
+            }
+        }
+        /* Softmax weights of the chunk, and the running sums rescaled to its maximum. */
+        for (int64_t j = 0; j < NH; j++) {
+            const float new_m = mx[j] > m[j] ? mx[j] : m[j];
+            const float corr = exp_nonpos(m[j] - new_m); /* ~0 on the first chunk: m is -FLT_MAX */
+            const __m512 mb = _mm512_set1_ps(new_m);
+            __m512 sumv = _mm512_setzero_ps();
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
+                const __m512 p = _mm512_maskz_mov_ps((__mmask16)((1u << cnt) - 1u),
+                                                     exp16_nonpos(_mm512_sub_ps(_mm512_load_ps(s[j] + t0), mb)));
+                sumv = _mm512_add_ps(sumv, p);
+                _mm512_store_ps(s[j] + t0, p);
+            }
+            l[j] = l[j] * corr + _mm512_reduce_add_ps(sumv);
+            m[j] = new_m;
+            for (int64_t i = 0; i < D; i++) acc[j][i] *= corr;
+        }
+        /* Weighted values, in the same order as the keys. */
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
+            for (int64_t t = t0 + 32; t < t0 + 48 && t < n_ahead; t++)
+                for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(vbase + row[t] + off, _MM_HINT_T0);
+            for (int64_t j = 0; j < NH; j++) {
+                const int64_t head_off = (j / G) * a->kv_stride_head * elt;
+                __m512 kv[MAX_VEC], av[MAX_VEC], bv[MAX_VEC];
+                for (int64_t i = 0; i < nv; i++) {
+                    av[i] = _mm512_load_ps(acc[j] + 16 * i);
+                    bv[i] = _mm512_setzero_ps();
+                }
+                int64_t t = 0;
+                for (; t + 1 < cnt; t += 2) { /* two accumulators: twice the FMAs in flight */
+                    const __m512 p0 = _mm512_set1_ps(s[j][t0 + t]), p1 = _mm512_set1_ps(s[j][t0 + t + 1]);
+                    load_row(vbase + row[t0 + t] + head_off, kv, nv, is_bf16);
+                    for (int64_t i = 0; i < nv; i++) av[i] = _mm512_fmadd_ps(p0, kv[i], av[i]);
+                    load_row(vbase + row[t0 + t + 1] + head_off, kv, nv, is_bf16);
+                    for (int64_t i = 0; i < nv; i++) bv[i] = _mm512_fmadd_ps(p1, kv[i], bv[i]);
+                }
+                if (t < cnt) {
+                    const __m512 p0 = _mm512_set1_ps(s[j][t0 + t]);
+                    load_row(vbase + row[t0 + t] + head_off, kv, nv, is_bf16);
+                    for (int64_t i = 0; i < nv; i++) av[i] = _mm512_fmadd_ps(p0, kv[i], av[i]);
+                }
+                for (int64_t i = 0; i < nv; i++) _mm512_store_ps(acc[j] + 16 * i, _mm512_add_ps(av[i], bv[i]));
+            }
+        }
+    }
+    for (int64_t j = 0; j < NH; j++) {
+        const int64_t h = hk0 * G + j;
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        for (int64_t sl = 0; sl < nv; sl++) {
+            for (int64_t lane = 0; lane < 16; lane++) {
+                const int64_t e = slot_element(sl, lane, is_bf16);
+                const float val = acc[j][16 * sl + lane] * inv;
+                if (is_bf16) ((uint16_t *)a->out)[b * a->out_stride_b + h * a->out_stride_h + e] = float_to_bf16(val);
+                else ((float *)a->out)[b * a->out_stride_b + h * a->out_stride_h + e] = val;
+            }
+        }
+    }
+}
+#endif
+
 /* One copy of the task per common head size and dtype, so gcc unrolls the loops over
  * the head dimension and drops the dtype branch from them. */
 static void dispatch_task(const Args *a, int64_t b, int64_t hk0, int64_t hk1) {
+#if defined(__AVX512F__)
+    if (a->D % 32 == 0) { /* bf16 rows are read 32 elements at a time */
+        if (a->D == 64) {
+            if (a->is_bf16) one_task_avx512(a, b, hk0, hk1, 64, 1); else one_task_avx512(a, b, hk0, hk1, 64, 0);
+        } else if (a->D == 128) {
+            if (a->is_bf16) one_task_avx512(a, b, hk0, hk1, 128, 1); else one_task_avx512(a, b, hk0, hk1, 128, 0);
+        } else {
+            if (a->is_bf16) one_task_avx512(a, b, hk0, hk1, a->D, 1); else one_task_avx512(a, b, hk0, hk1, a->D, 0);
+        }
+        return;
+    }
+#endif
     if (a->D == 64) {
         if (a->is_bf16) one_task(a, b, hk0, hk1, 64, 1); else one_task(a, b, hk0, hk1, 64, 0);
     } else if (a->D == 128) {

@@ -25,8 +25,7 @@ def add(sched: Scheduler, rid: str, n_prompt: int, *, priority=0, arrival=0.0, *
 def run_step(sched: Scheduler, token: int = 7):
     """One step with a fake model that samples ``token`` for every request that reaches its end."""
     out = sched.schedule()
-    sampled = [rid for rid, n in out.num_scheduled_tokens.items()
-               if sched.requests[rid].num_computed_tokens + n == sched.requests[rid].num_tokens]
+    sampled = [rid for rid in out.num_scheduled_tokens if sched.requests[rid].num_inflight]
     return out, sched.update_from_output(out, RunnerOutput(sampled, [token] * len(sampled), {}, {}))
 
 
@@ -137,3 +136,110 @@ def test_prefix_cache_hit_skips_computed_tokens():
     out, _ = run_step(sched)
     assert out.num_scheduled_tokens == {"b": 4}
     assert out.new_requests[0].num_computed_tokens == 8
+
+
+class FakeRunner:
+    """The model runner's bookkeeping without a model: it keeps each request's tokens,
+    appends what it samples, and samples ``token_at(req_id, position)``."""
+
+    def __init__(self, token_at):
+        self.token_at = token_at
+        self.tokens: dict[str, list[int]] = {}
+
+    def run(self, out) -> RunnerOutput:
+        for rid in out.freed_req_ids:
+            self.tokens.pop(rid, None)
+        for new in out.new_requests:
+            self.tokens[new.req_id] = list(new.token_ids)
+        starts = {r.req_id: r.num_computed_tokens for r in [*out.new_requests, *out.cached_requests]}
+        sampled, tokens = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            toks = self.tokens[rid]
+            assert starts[rid] + n <= len(toks), "scheduled a token whose input the runner does not have"
+            if starts[rid] + n == len(toks):
+                token = self.token_at(rid, len(toks))
+                toks.append(token)
+                sampled.append(rid)
+                tokens.append(token)
+        return RunnerOutput(sampled, tokens, {}, {})
+
+
+def run_engine(sched: Scheduler, token_at, depth: int, *, abort_at: dict[int, str] | None = None):
+    """Drive the scheduler as EngineCore.step does with ``depth`` steps in flight; returns
+    each request's (tokens, finish reason) and the number of rows the runner computed."""
+    runner = FakeRunner(token_at)
+    inflight = []
+    results: dict[str, list] = {}
+    rows = 0
+    steps = 0
+    while sched.has_unfinished_requests() or inflight:
+        if len(inflight) < depth:
+            out = sched.schedule()
+            if not out.is_empty or out.freed_req_ids:
+                inflight.append((out, runner.run(out)))
+                rows += len(out.num_scheduled_tokens)
+                if len(inflight) < depth:
+                    continue
+        out, result = inflight.pop(0)
+        outputs = sched.update_from_output(out, result)
+        steps += 1
+        if abort_at and steps in abort_at:
+            outputs += sched.abort_requests([abort_at[steps]])
+        for o in outputs:
+            entry = results.setdefault(o.request_id, [[], None])
+            entry[0].extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                entry[1] = o.finish_reason
+    return results, rows
+
+
+def _token_at(rid: str, position: int) -> int:
+    if rid == "eos" and position == 9:
+        return 1  # EOS
+    if rid == "stop" and position == 11:
+        return 3  # a stop token
+    return 10 + (position * 7 + ord(rid[0])) % 40
+
+
+def _add_mix(sched: Scheduler) -> None:
+    add(sched, "eos", 5, max_tokens=20)
+    add(sched, "stop", 6, max_tokens=20, stop_token_ids=[3])
+    add(sched, "len", 7, max_tokens=6, ignore_eos=True)
+    add(sched, "long", 30, max_tokens=12, ignore_eos=True)
+
+
+def test_async_scheduling_gives_the_same_tokens_as_sync():
+    sync = make_scheduler(budget=16)
+    _add_mix(sync)
+    expected, sync_rows = run_engine(sync, _token_at, depth=1)
+    pipelined = make_scheduler(budget=16)
+    _add_mix(pipelined)
+    got, async_rows = run_engine(pipelined, _token_at, depth=2)
+    assert got == expected
+    assert expected["eos"][1] == FinishReason.STOP and expected["eos"][0][-1] == 1
+    assert expected["stop"][1] == FinishReason.STOP and expected["stop"][0][-1] == 3
+    assert expected["len"] == [[_token_at("len", p) for p in range(7, 13)], FinishReason.LENGTH]
+    # A stop on a token in flight costs one wasted row each (eos, stop); a length limit,
+    # known in advance, none.
+    assert async_rows == sync_rows + 2
+    assert pipelined.kv.pool.num_free_blocks == sync.kv.pool.num_free_blocks == 63
+    assert not pipelined.requests
+
+
+def test_async_scheduling_with_preemption_and_abort_in_flight():
+    def run(depth):
+        sched = make_scheduler(blocks=9, block_size=4, budget=16)  # 8 usable blocks: preemption
+        add(sched, "a", 8, arrival=1.0, max_tokens=14, ignore_eos=True)
+        add(sched, "b", 8, arrival=2.0, max_tokens=14, ignore_eos=True)
+        add(sched, "c", 5, arrival=3.0, max_tokens=14, ignore_eos=True)
+        results, _ = run_engine(sched, _token_at, depth, abort_at={6: "c"})
+        return results, sched
+
+    expected, sync = run(1)
+    got, pipelined = run(2)
+    assert pipelined.num_preemptions >= 1
+    for rid in "ab":  # preempted or not, the same tokens (they depend only on the position)
+        assert got[rid] == expected[rid] == [[_token_at(rid, p) for p in range(8, 22)], FinishReason.LENGTH]
+    assert got["c"][1] == FinishReason.ABORT
+    assert got["c"][0] == [_token_at("c", p) for p in range(5, 5 + len(got["c"][0]))]
+    assert pipelined.kv.pool.num_free_blocks == 8 and not pipelined.requests

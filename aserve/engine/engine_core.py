@@ -8,6 +8,7 @@ wraps it with its wires.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,6 +94,12 @@ class EngineCore:
             config.cache.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
+        # Steps handed to the executor whose output has not been read, oldest first. An
+        # executor whose model runs elsewhere (worker processes) takes a second step while
+        # the first runs: the engine schedules and processes outputs during the model step
+        # instead of leaving the worker idle (asynchronous scheduling).
+        self.max_inflight = getattr(self.executor, "max_inflight", 1)
+        self._inflight: deque = deque()
         # Totals since start, for metrics: the engine's own count of what it served, the
         # same whichever API server asks.
         self.num_requests_received = 0
@@ -134,14 +141,28 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._inflight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model once, and return every request's progress."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty and not sched.freed_req_ids:
+        """Schedule a step, and return the progress of the oldest step in flight once
+        ``max_inflight`` are (or nothing more can be scheduled).
+
+        With ``max_inflight`` 1 this is: schedule, run the model, update. With 2, a call
+        that leaves only one step in flight returns nothing at once, so the caller can
+        take new input before the next call schedules the second step.
+        """
+        executor = self.executor
+        if len(self._inflight) < self.max_inflight:
+            sched = self.scheduler.schedule()
+            if not sched.is_empty or sched.freed_req_ids:
+                executor.submit_model(sched)  # type: ignore[attr-defined]
+                self._inflight.append(sched)
+                if len(self._inflight) < self.max_inflight:
+                    return []
+        if not self._inflight:
             return []
-        runner_output = self.executor.execute_model(sched)  # type: ignore[attr-defined]
+        sched = self._inflight.popleft()
+        runner_output = executor.wait_model()  # type: ignore[attr-defined]
         return self._count(self.scheduler.update_from_output(sched, runner_output))
 
     def reset_prefix_cache(self) -> None:

@@ -30,7 +30,7 @@ class Request:
         "request_id", "sampling_params", "eos_token_ids", "stop_token_ids", "arrival_time", "priority",
         "cache_salt", "client_index", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "block_hashes", "num_cached_tokens", "max_tokens", "finish_reason", "stop_reason",
-        "num_preemptions", "num_prompt_logprobs_sent", "_salt_bytes", "received_time", "queue_time",
+        "num_preemptions", "num_prompt_logprobs_sent", "_salt_bytes", "received_time", "queue_time", "num_inflight",
     )
 
     def __init__(self, req: EngineCoreRequest, *, max_model_len: int) -> None:
@@ -45,7 +45,11 @@ class Request:
         self.client_index = req.client_index
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
+        # Tokens the scheduler has handed to the model runner, sampled or not yet returned
+        # included: with asynchronous scheduling the next step is scheduled while this
+        # one runs, so both run ahead of ``all_token_ids``.
         self.num_computed_tokens = 0
+        self.num_inflight = 0  # tokens being sampled by steps whose output has not come back
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # set when first scheduled

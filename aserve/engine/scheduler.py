@@ -13,6 +13,17 @@ Each :meth:`Scheduler.schedule` call fills one step under a token budget
 
 :meth:`Scheduler.update_from_output` appends the sampled tokens and finishes requests
 on EOS, a stop token or their length limit.
+
+Scheduling may run one step ahead of the model (asynchronous scheduling: the engine
+schedules step N+1 while step N runs, so the worker never waits for the engine). A
+request's ``num_computed_tokens`` therefore advances when a step is scheduled, and a
+step that reaches the end of a request's tokens leaves a placeholder (``num_inflight``)
+for the token it will sample: the next step schedules that token's successor, and the
+model runner, which appends its own sampled tokens, already has its input. A request
+that finishes on a token still in flight (EOS, a stop token) costs the step after it one
+wasted row, whose output is dropped; a length limit is known ahead and wastes nothing.
+A request preempted while a step of it is in flight has that token dropped and
+recomputed later (sampling depends only on the seed and the position).
 """
 
 from __future__ import annotations
@@ -107,6 +118,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_inflight = 0  # dropped when its step's output comes back
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget(request)
@@ -120,7 +132,12 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if request.num_inflight and (
+            request.num_output_tokens + request.num_inflight >= request.max_tokens
+            or request.num_tokens + request.num_inflight >= self.max_model_len
+        ):
+            return 0  # the token in flight is its last: nothing more to compute
+        n = min(request.num_tokens + request.num_inflight - request.num_computed_tokens, budget)
         threshold = self.config.long_prefill_token_threshold
         if threshold is not None:
             n = min(n, threshold)
@@ -155,6 +172,7 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             budget -= n
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            self._advance(request, n)
             i += 1
 
         # A step that had to preempt is short of blocks: admit nobody new.
@@ -194,6 +212,7 @@ class Scheduler:
                     stop_token_ids=sorted(self._stop_ids(request)),
                 )
             )
+            self._advance(request, n)
 
         freed, self._freed_since_last_step = self._freed_since_last_step, []
         return SchedulerOutput(
@@ -205,26 +224,36 @@ class Scheduler:
         )
 
     @staticmethod
+    def _advance(request: Request, n: int) -> None:
+        """Count ``n`` scheduled tokens as computed; a step that reaches the end of the
+        request's tokens samples one more, in flight until its output comes back."""
+        request.num_computed_tokens += n
+        if request.num_computed_tokens == request.num_tokens + request.num_inflight:
+            request.num_inflight += 1
+
+    @staticmethod
     def _stop_ids(request: Request) -> frozenset[int]:
         eos = frozenset() if request.sampling_params.ignore_eos else request.eos_token_ids
         return eos | request.stop_token_ids
 
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
-        """Advance every scheduled request; append sampled tokens; finish the done ones."""
+        """Append the step's sampled tokens; finish the done ones.
+
+        Outputs of requests that finished, or were aborted or preempted, after the step
+        was scheduled are dropped."""
         prompt_lps = {}
-        for request_id, lps in out.prompt_logprobs.items():
-            request = self.requests.get(request_id)
-            if request is not None:
-                # A request recomputed after preemption must not report positions twice:
-                # this chunk covers prompt positions computed + 1 onwards.
-                skip = max(0, request.num_prompt_logprobs_sent - request.num_computed_tokens)
-                if lps[skip:]:
-                    prompt_lps[request_id] = lps[skip:]
-                    request.num_prompt_logprobs_sent += len(lps) - skip
-        for request_id, n in sched.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens += n
+        if out.prompt_logprobs:
+            starts = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
+            starts.update((r.req_id, r.num_computed_tokens) for r in sched.cached_requests)
+            for request_id, lps in out.prompt_logprobs.items():
+                request = self.requests.get(request_id)
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    # A request recomputed after preemption must not report positions
+                    # twice: this chunk covers prompt positions start + 1 onwards.
+                    skip = max(0, request.num_prompt_logprobs_sent - starts[request_id])
+                    if lps[skip:]:
+                        prompt_lps[request_id] = lps[skip:]
+                        request.num_prompt_logprobs_sent += len(lps) - skip
         outputs: list[EngineCoreOutput] = []
         sampled = dict(zip(out.req_ids, out.sampled_token_ids))
         for request_id, lps in prompt_lps.items():
@@ -233,7 +262,8 @@ class Scheduler:
         for request_id, token in sampled.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # finished, aborted or preempted after the step was scheduled
+            request.num_inflight -= 1
             request.all_token_ids.append(token)
             request.update_block_hashes(self.block_size)
             finish, stop_reason = self._check_stop(request, token)

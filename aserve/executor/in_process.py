@@ -10,10 +10,25 @@ from aserve.worker.worker import Worker
 
 
 class InProcessExecutor:
+    """The model runs in :meth:`wait_model`, on the caller's thread: nothing overlaps,
+    so the engine keeps one step in flight."""
+
+    max_inflight = 1
+
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config, TPGroup.single())
+        self._pending: SchedulerOutput | None = None
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.worker.execute_model(sched)
+
+    def submit_model(self, sched: SchedulerOutput) -> None:
+        assert self._pending is None, "one step at a time"
+        self._pending = sched
+
+    def wait_model(self) -> RunnerOutput:
+        sched, self._pending = self._pending, None
+        assert sched is not None, "no step submitted"
         return self.worker.execute_model(sched)
 
     def shutdown(self) -> None:

@@ -33,6 +33,11 @@ _POLL = 1.0
 
 
 class MultiprocExecutor:
+    """Workers run steps in the order written; the engine may write a second step before
+    reading the first one's output (asynchronous scheduling, see ``EngineCore.step``)."""
+
+    max_inflight = 2
+
     def __init__(self, config: EngineConfig, *, instance_dir: str, instance_id: str, dp_rank: int = 0, dp_size: int = 1,
                  startup_timeout: float = 600.0, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  heartbeat_name: str | None = None) -> None:
@@ -107,9 +112,15 @@ class MultiprocExecutor:
         return reply.output
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
-        deadline = time.monotonic() + EXECUTE_MODEL_TIMEOUT
-        self._write(WorkerCall("execute_model", sched, output_rank=0), deadline)
-        output = self._read_reply(0, deadline)
+        self.submit_model(sched)
+        return self.wait_model()
+
+    def submit_model(self, sched: SchedulerOutput) -> None:
+        self._write(WorkerCall("execute_model", sched, output_rank=0), time.monotonic() + EXECUTE_MODEL_TIMEOUT)
+
+    def wait_model(self) -> RunnerOutput:
+        """The output of the oldest step written and not yet read."""
+        output = self._read_reply(0, time.monotonic() + EXECUTE_MODEL_TIMEOUT)
         assert output is not None
         return output
 

@@ -6,6 +6,7 @@ variable               meaning                                              defa
 ``ASERVE_CACHE_DIR``   where the default model and the CPU kernel are built ``~/.cache/aserve``
 ``ASERVE_LOG_LEVEL``   log level of aserve's loggers                        ``INFO``
 ``ASERVE_CPU_ATTENTION`` ``sdpa``: no C decode-attention kernel             ``kernel``
+``ASERVE_CPU_FUSED_OPS`` ``0``: no C RMSNorm / SiLU kernels                   ``1``
 ``ASERVE_DP_SECRET``   shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
 =====================  ===================================================  =======================
 
@@ -26,6 +27,7 @@ class Env:
     log_level: str
     dp_secret: str | None = None
     cpu_attention: str = "kernel"
+    cpu_fused_ops: bool = True
 
 
 def read_env(environ: dict[str, str] | None = None) -> Env:
@@ -36,4 +38,5 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         log_level=environ.get("ASERVE_LOG_LEVEL", "INFO").upper(),
         dp_secret=environ.get("ASERVE_DP_SECRET") or None,
         cpu_attention=environ.get("ASERVE_CPU_ATTENTION", "kernel").lower(),
+        cpu_fused_ops=environ.get("ASERVE_CPU_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off"),
     )

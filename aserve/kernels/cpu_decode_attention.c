@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #define MAX_HEADS 64    /* query heads in one task (and per KV head) */
 #define MAX_DIM 512     /* head_dim */
 #define MAX_BLOCK 128   /* tokens per block */
@@ -40,39 +42,6 @@ typedef struct {
     int is_bf16;
     int num_threads;
 } Args;
-
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)h << 16;
-    return x.f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40); /* NaN */
-    x.u += 0x7fffu + ((x.u >> 16) & 1u);
-    return (uint16_t)(x.u >> 16);
-}
-
-/* exp(x) for x <= 0, vectorisable (no call): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2,
- * p of degree 6 (relative error under 2e-7, about one float rounding). Softmax weights
- * below exp(-87) (under 1e-37 of the largest, which is 1) come out as 2^-126, not 0. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_roundevenf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float s = 0.f;
@@ -146,14 +115,14 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
         for (int64_t j = 0; j < NH; j++) {
             float mx = m[j];
             for (int64_t t = 0; t < n; t++) mx = s[j][t] > mx ? s[j][t] : mx;
-            const float corr = exp_nonpos(m[j] - mx); /* ~0 on the first block: m is -FLT_MAX */
+            const float corr = exp_clamped(m[j] - mx); /* ~0 on the first block: m is -FLT_MAX */
             float sum = l[j] * corr;
             if (corr != 1.f)
                 for (int64_t i = 0; i < D; i++) acc[j][i] *= corr;
             float *sj = s[j];
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < n; t++) {
-                sj[t] = exp_nonpos(sj[t] - mx);
+                sj[t] = exp_clamped(sj[t] - mx);
                 sum += sj[t];
             }
             m[j] = mx;
@@ -184,7 +153,6 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 
 /* The same task with AVX-512, a sequence CHUNK tokens at a time, in three passes:
  *   1. the scores of every head of the task, 16 tokens at a time: 16 independent dot
@@ -225,23 +193,6 @@ static inline __attribute__((always_inline)) void load_row(const char *p, __m512
 
 static inline int64_t slot_element(int64_t slot, int64_t lane, const int is_bf16) {
     return is_bf16 ? 32 * (slot / 2) + 2 * lane + (slot % 2) : 16 * slot + lane;
-}
-
-/* exp(x) for x <= 0, lane-wise: the same formula as exp_nonpos. */
-static inline __m512 exp16_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Lane t of the result is the sum of the 16 lanes of v[t]. */
@@ -320,13 +271,13 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
         /* Softmax weights of the chunk, and the running sums rescaled to its maximum. */
         for (int64_t j = 0; j < NH; j++) {
             const float new_m = mx[j] > m[j] ? mx[j] : m[j];
-            const float corr = exp_nonpos(m[j] - new_m); /* ~0 on the first chunk: m is -FLT_MAX */
+            const float corr = exp_clamped(m[j] - new_m); /* ~0 on the first chunk: m is -FLT_MAX */
             const __m512 mb = _mm512_set1_ps(new_m);
             __m512 sumv = _mm512_setzero_ps();
             for (int64_t t0 = 0; t0 < n; t0 += 16) {
                 const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
                 const __m512 p = _mm512_maskz_mov_ps((__mmask16)((1u << cnt) - 1u),
-                                                     exp16_nonpos(_mm512_sub_ps(_mm512_load_ps(s[j] + t0), mb)));
+                                                     exp16_clamped(_mm512_sub_ps(_mm512_load_ps(s[j] + t0), mb)));
                 sumv = _mm512_add_ps(sumv, p);
                 _mm512_store_ps(s[j] + t0, p);
             }

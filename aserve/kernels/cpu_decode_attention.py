@@ -5,10 +5,8 @@ paged cache before SDPA can read them (or keep a dense copy and write every new 
 twice); on the 152M model that copying and SDPA's per-head overhead took more time than
 all the GEMMs of the step. The C kernel reads the blocks in place.
 
-The kernel is compiled on first use with the system's C compiler (``gcc -O3
--march=native``, about a second; no Python or torch headers) into
-``ASERVE_CACHE_DIR/kernels`` (default ``~/.cache/aserve/kernels``), keyed by the source, the flags
-and this CPU, and loaded with ctypes. Without a compiler, or with
+The kernel is compiled on first use (see :mod:`aserve.kernels.cbuild`) into
+``ASERVE_CACHE_DIR/kernels`` (default ``~/.cache/aserve/kernels``). Without a compiler, or with
 ``ASERVE_CPU_ATTENTION=sdpa``, :func:`load` returns None and the model runner keeps the
 plain-torch path (:mod:`aserve.worker.decode_staging`).
 """
@@ -16,69 +14,22 @@ plain-torch path (:mod:`aserve.worker.decode_staging`).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from aserve.envs import read_env
+from aserve.kernels.cbuild import load_library
 
 logger = logging.getLogger("aserve.kernels")
 
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp",
-          # Lets gcc vectorise the float32 dot products and sums (reassociation only:
-          # inf and NaN keep their meaning).
-          "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _LIMITS = {"group": 64, "head_dim": 512, "block_size": 128}
 
 #: ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None, new_values=None)``
 DecodeAttention = Callable[..., torch.Tensor]
-
-
-def _cpu_key() -> str:
-    """The CPU's model and instruction-set flags: a VM may hide flags of the same model,
-    and code built with ``-march=native`` for more flags would fault."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    model = next((line for line in lines if line.startswith("model name")), "")
-    flags = next((line for line in lines if line.startswith("flags")), "")
-    return model + flags or platform.processor()
-
-
-def _build(cache_dir: Path) -> Path | None:
-    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-    if compiler is None:
-        logger.warning("no C compiler found: decode attention uses the slower plain-torch path")
-        return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
-    target = cache_dir / f"cpu_decode_attention_{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: several workers may build at once.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning("building the C decode-attention kernel failed (plain-torch path used):\n%s", result.stderr)
-            return None
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 def load() -> DecodeAttention | None:
@@ -96,14 +47,10 @@ def load() -> DecodeAttention | None:
     env = read_env()
     if env.cpu_attention == "sdpa":
         return None
-    try:
-        path = _build(env.cache_dir / "kernels")
-    except OSError as exc:
-        logger.warning("could not build the C decode-attention kernel (plain-torch path used): %s", exc)
+    lib = load_library(_SOURCE, env.cache_dir / "kernels", "decode attention")
+    if lib is None:
         return None
-    if path is None:
-        return None
-    fn = ctypes.CDLL(str(path)).aserve_decode_attention
+    fn = lib.aserve_decode_attention
     i64 = ctypes.c_int64
     ptr = ctypes.c_void_p
     fn.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]

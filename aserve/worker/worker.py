@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 
 from aserve.config import EngineConfig
 from aserve.distributed.tp_group import TPGroup
 from aserve.engine.scheduler import RunnerOutput
 from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.model.hf_config import load_arch_config
+from aserve.kernels.cpu_fused_ops import attach as attach_fused_ops
+from aserve.kernels.cpu_fused_ops import load as load_fused_ops
 from aserve.launch.process_utils import ProgressBar
 from aserve.model.layers.linear import prepack_linears
 from aserve.model.loader import load_model, resolve_dtype
@@ -36,6 +39,10 @@ class Worker:
         model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
                            progress=progress)
         prepack_linears(model)
+        if self.dtype in (torch.float32, torch.bfloat16) and next(model.parameters()).device.type == "cpu":
+            fused = load_fused_ops()
+            if fused is not None:
+                attach_fused_ops(model, fused)
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed)
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(

@@ -7,6 +7,9 @@ One decoder layer::
     └────────────────────────────────── + ◄─────────────────────────────────────────────────┘
     x ─► post_attention_layernorm ─► gate_up_proj ─► silu(gate) * up ─► down_proj ─► + x
 
+Each "+ x" is done by the norm that follows it (one fused call on CPU), so a layer
+returns (its MLP output, the residual) and the next layer's first norm adds them.
+
 Subclasses change only what differs: Qwen2 has biases on q/k/v, Qwen3 RMS-normalises
 q and k per head.
 """
@@ -19,6 +22,7 @@ from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
 from aserve.kernels.attention import AttentionMetadata, LayerKV
+from aserve.kernels.cpu_fused_ops import FusedOps
 from aserve.model.hf_config import ArchConfig
 from aserve.model.layers.attention import Attention
 from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -64,6 +68,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    #: The C kernels (:mod:`aserve.kernels.cpu_fused_ops`), attached after loading on CPU.
+    fused_ops: FusedOps | None = None
+
     def __init__(self, cfg: ArchConfig, *, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
         inter = cfg.intermediate_size
@@ -71,7 +78,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_ops is not None and self.fused_ops.supports(gate_up):
+            return self.down_proj(self.fused_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         # In place on SiLU's fresh output: one large temporary fewer.
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -86,9 +96,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(cfg, tp=tp, dtype=dtype)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: LayerKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)``: the skip connection is added by the next norm
+        (``x + residual`` is the hidden state Hugging Face's layer returns)."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,9 +122,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.gather(positions)  # once for all layers
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

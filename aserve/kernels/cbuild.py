@@ -1,0 +1,79 @@
+"""Builds aserve's C kernels on first use and caches the shared objects.
+
+Each kernel is one C file shipped with the package, compiled with the system's C
+compiler (``gcc -O3 -march=native``, about a second, no Python or torch headers) into
+``ASERVE_CACHE_DIR/kernels``, keyed by the source, the flags and this CPU, and loaded
+with ctypes. Where there is no compiler, or the build fails, :func:`build` returns None
+and the caller keeps its plain-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("aserve.kernels")
+
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp",
+         # Lets gcc vectorise float32 dot products and sums (reassociation only: inf and
+         # NaN keep their meaning).
+         "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+
+
+def cpu_key() -> str:
+    """The CPU's model and instruction-set flags: a VM may hide flags of the same model,
+    and code built with ``-march=native`` for more flags would fault."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    return model + flags or platform.processor()
+
+
+def build(source_path: Path, cache_dir: Path, what: str) -> Path | None:
+    """The shared object built from ``source_path`` (built now unless cached), or None
+    (logged, naming ``what`` falls back) without a compiler or when the build fails.
+    Raises OSError when the cache directory cannot be written."""
+    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if compiler is None:
+        logger.warning("no C compiler found: %s uses the slower plain-torch path", what)
+        return None
+    # The key covers the headers beside the source (the kernels share cpu_kernels.h).
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_key().encode()).hexdigest()[:16]
+    target = cache_dir / f"{source_path.stem}_{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: several workers may build at once.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("building the C kernel for %s failed (plain-torch path used):\n%s", what, result.stderr)
+            return None
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_library(source_path: Path, cache_dir: Path, what: str) -> ctypes.CDLL | None:
+    """:func:`build`, then load the library; None (logged) where that cannot be done."""
+    try:
+        path = build(source_path, cache_dir, what)
+    except OSError as exc:
+        logger.warning("could not build the C kernel for %s (plain-torch path used): %s", what, exc)
+        return None
+    return None if path is None else ctypes.CDLL(str(path))

@@ -1,0 +1,65 @@
+/* Helpers shared by aserve's CPU kernels (included by each .c file; the build's cache key
+ * covers this header too, see aserve/kernels/cbuild.py). */
+#ifndef ASERVE_CPU_KERNELS_H
+#define ASERVE_CPU_KERNELS_H
+
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)h << 16;
+    return x.f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40); /* NaN */
+    x.u += 0x7fffu + ((x.u >> 16) & 1u);
+    return (uint16_t)(x.u >> 16);
+}
+
+/* exp(x) for x clamped to [-87, 88]: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, p of
+ * degree 7 (relative error about one float rounding). Below -87 it gives 2^-126, not 0
+ * (softmax weights that small, and silu's exp(-g) beyond the range, change nothing). */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 exp16_clamped(__m512 x) { /* lane-wise exp_clamped */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#endif

@@ -1,0 +1,98 @@
+"""The fused RMSNorm and SiLU * up C kernels against Hugging Face's torch formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aserve.kernels import cpu_fused_ops
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = cpu_fused_ops.load()
+    assert loaded is not None, "the kernels must build on these machines (gcc is part of the setup)"
+    return loaded
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # LlamaRMSNorm.forward, as transformers writes it.
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def ulp_tolerance(dtype: torch.dtype) -> dict:
+    # float32: the sum of squares is added in another order (last-bit differences);
+    # bfloat16: that can move a result across one rounding boundary (one bf16 ulp).
+    return {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden,threads", [(1, 64, 1), (32, 256, 1), (300, 1024, 2), (5, 100, 2)])
+def test_rms_norm_matches_hugging_face(ops, dtype, rows, hidden, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows + hidden)
+        # x as the layers pass it: rows of a wider tensor (strided), last dim contiguous.
+        x = (torch.randn(rows, hidden + 8, generator=gen) * 3).to(dtype)[:, 4 : 4 + hidden]
+        residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+        weight = torch.randn(hidden, generator=gen).to(dtype)
+        out, none = ops.rms_norm(x, weight, 1e-5)
+        assert none is None and out.dtype == dtype and out.shape == (rows, hidden)
+        torch.testing.assert_close(out, hf_rms_norm(x, weight, 1e-5), **ulp_tolerance(dtype))
+        out, new_residual = ops.rms_norm(x, weight, 1e-5, residual)
+        assert torch.equal(new_residual, x + residual)  # the add, rounded in the dtype
+        torch.testing.assert_close(out, hf_rms_norm(x + residual, weight, 1e-5), **ulp_tolerance(dtype))
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter,threads", [(1, 40, 1), (32, 704, 1), (200, 2816, 2), (3, 17, 2)])
+def test_silu_mul_matches_torch(ops, dtype, rows, inter, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * inter)
+        gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+        gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # the clamped ends and zero
+        out = ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(out, F.silu(gate) * up, **ulp_tolerance(dtype))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("ASERVE_CPU_FUSED_OPS", "0")
+    assert cpu_fused_ops.load() is None
+
+
+def test_attached_to_every_norm_and_mlp(ops):
+    from aserve.model.layers.norm import RMSNorm
+    from aserve.model.models.llama import LlamaMLP
+
+    model = torch.nn.ModuleList([RMSNorm(8, 1e-6, dtype=torch.float32), torch.nn.Linear(2, 2)])
+    assert cpu_fused_ops.attach(model, ops) == 1
+    assert model[0].fused_ops is ops and not hasattr(model[1], "fused_ops")
+    assert LlamaMLP.fused_ops is None  # the class default: torch ops until attached
+
+
+def test_torch_path_gives_the_kernels_tokens(monkeypatch, llama_dir):
+    """With the kernels switched off the layers' torch forms decode the same greedy
+    tokens (both are checked against transformers in test_hf_parity with the kernels)."""
+    from aserve import LLM, SamplingParams
+
+    prompts = [[5, 9, 14, 3], list(range(10, 50)), [7] * 19]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 9, 21)]
+    fused_llm = LLM(str(llama_dir), kv_cache_memory=1 << 24)
+    norm = fused_llm.engine.executor.worker.runner.model.model.norm
+    assert norm.fused_ops is not None
+    with_kernels = [o.outputs[0].token_ids for o in fused_llm.generate(prompts, params)]
+    monkeypatch.setenv("ASERVE_CPU_FUSED_OPS", "0")
+    llm = LLM(str(llama_dir), kv_cache_memory=1 << 24)
+    assert llm.engine.executor.worker.runner.model.model.norm.fused_ops is None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_kernels

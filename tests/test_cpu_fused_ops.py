@@ -96,3 +96,35 @@ def test_torch_path_gives_the_kernels_tokens(monkeypatch, llama_dir):
     llm = LLM(str(llama_dir), kv_cache_memory=1 << 24)
     assert llm.engine.executor.worker.runner.model.model.norm.fused_ops is None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == with_kernels
+
+
+def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # apply_rotary_pos_emb, as transformers writes it (cos/sin over the whole head).
+    cos, sin = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,threads", [(1, 1), (32, 1), (600, 2)])
+def test_rotary_matches_hugging_face_in_place(ops, dtype, tokens, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(tokens)
+        hq, hk, dim = 4, 2, 64
+        qkv = torch.randn(tokens, hq + 2 * hk, dim, generator=gen).to(dtype)
+        angles = torch.rand(tokens, dim // 2, generator=gen) * 100
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        before = qkv.clone()
+        qk = qkv[:, : hq + hk]  # the strided view the attention layer rotates
+        out = ops.rotary_(qk, cos, sin)
+        assert out.data_ptr() == qkv.data_ptr()
+        assert torch.equal(qkv[:, hq + hk :], before[:, hq + hk :])  # v untouched
+        expected = hf_rotary(before[:, : hq + hk], cos, sin)
+        if dtype == torch.bfloat16:
+            assert torch.equal(qk, expected)  # the same roundings, so the same bits
+        else:
+            torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(old)

@@ -35,8 +35,60 @@ static inline void store_elt(void *p, int64_t i, float v, int is_bf16) {
 /* Rounds a float to the nearest bfloat16 and back (the value a bf16 tensor would hold). */
 static inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
 
+#if defined(__AVX512F__)
+static inline __m512 load16(const void *p, int is_bf16) {
+    if (is_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* Round to nearest even bf16, as float_to_bf16 does for every value but NaN. */
+static inline __m256i to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+static inline __m512 round_bf16x16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+#endif
+
 static void rms_norm_row(const void *x, const void *res, void *res_out, const void *w, void *out, int64_t h,
                          float eps, int is_bf16, float *tmp) {
+#if defined(__AVX512F__)
+    if (h % 16 == 0) {
+        const int64_t elt = is_bf16 ? 2 : 4;
+        __m512 ssv = _mm512_setzero_ps();
+        for (int64_t i = 0; i < h; i += 16) {
+            __m512 r = load16((const char *)x + i * elt, is_bf16);
+            if (res != NULL) {
+                r = _mm512_add_ps(r, load16((const char *)res + i * elt, is_bf16));
+                if (is_bf16) {
+                    const __m256i rb = to_bf16x16(r);
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)res_out + i), rb);
+                    r = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rb), 16));
+                } else {
+                    _mm512_storeu_ps((float *)res_out + i, r);
+                }
+            }
+            _mm512_storeu_ps(tmp + i, r);
+            ssv = _mm512_fmadd_ps(r, r, ssv);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ssv) / (float)h + eps));
+        for (int64_t i = 0; i < h; i += 16) {
+            __m512 v = _mm512_mul_ps(_mm512_loadu_ps(tmp + i), inv);
+            if (is_bf16) {
+                v = _mm512_mul_ps(load16((const uint16_t *)w + i, 1), round_bf16x16(v));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), to_bf16x16(v));
+            } else {
+                _mm512_storeu_ps((float *)out + i, _mm512_mul_ps(_mm512_loadu_ps((const float *)w + i), v));
+            }
+        }
+        return;
+    }
+#endif
     float ss = 0.f;
     for (int64_t i = 0; i < h; i++) {
         float r = load_elt(x, i, is_bf16);
@@ -80,25 +132,6 @@ int aserve_rms_norm(const void *x, int64_t x_stride, const void *residual, int64
     return 0;
 }
 
-#if defined(__AVX512F__)
-static inline __m512 load16(const void *p, int is_bf16) {
-    if (is_bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-    return _mm512_loadu_ps((const float *)p);
-}
-
-/* Round to nearest even bf16, as float_to_bf16 does for every value but NaN. */
-static inline __m256i to_bf16x16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-
-static inline __m512 round_bf16x16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
-}
-#endif
 
 static void silu_mul_row(const void *g, const void *u, void *out, int64_t n, int is_bf16) {
     int64_t i = 0;
@@ -132,6 +165,52 @@ int aserve_silu_mul(const void *gate_up, int64_t in_stride, void *out, int64_t r
     for (int64_t r = 0; r < rows; r++) {
         const char *row = (const char *)gate_up + r * in_stride * elt;
         silu_mul_row(row, row + inter * elt, (char *)out + r * inter * elt, inter, is_bf16);
+    }
+    return 0;
+}
+
+/* Rotary embedding ("rotate half" layout), in place: each row of x ([T, H, D], rows
+ * `t_stride` and heads `h_stride` elements apart, D contiguous) becomes
+ *   (x1 cos - x2 sin, x2 cos + x1 sin)    with x = (x1, x2), cos/sin [T, D/2] in x's dtype,
+ * rounded as Hugging Face's x * cos + rotate_half(x) * sin is in bfloat16: each product
+ * rounded, then their sum (in float32 the compiler may fuse a product into the sum, one
+ * rounding fewer). */
+int aserve_rotary(void *x, int64_t t_stride, int64_t h_stride, int64_t T, int64_t H, int64_t D, const void *cos,
+                  const void *sin, int is_bf16, int num_threads) {
+    const int64_t half = D / 2, elt = is_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && T > 1 && T * H * D >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < H; h++) {
+            char *row = (char *)x + (t * t_stride + h * h_stride) * elt;
+            int64_t i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= half; i += 16) {
+                const __m512 c = load16((const char *)cos + (t * half + i) * elt, is_bf16);
+                const __m512 s = load16((const char *)sin + (t * half + i) * elt, is_bf16);
+                const __m512 x1 = load16(row + i * elt, is_bf16), x2 = load16(row + (i + half) * elt, is_bf16);
+                __m512 a = _mm512_mul_ps(x1, c), b = _mm512_mul_ps(x2, s);
+                __m512 e = _mm512_mul_ps(x2, c), f = _mm512_mul_ps(x1, s);
+                if (is_bf16) {
+                    a = round_bf16x16(a); b = round_bf16x16(b); e = round_bf16x16(e); f = round_bf16x16(f);
+                    _mm256_storeu_si256((__m256i *)(row + i * elt), to_bf16x16(_mm512_sub_ps(a, b)));
+                    _mm256_storeu_si256((__m256i *)(row + (i + half) * elt), to_bf16x16(_mm512_add_ps(e, f)));
+                } else {
+                    _mm512_storeu_ps((float *)row + i, _mm512_sub_ps(a, b));
+                    _mm512_storeu_ps((float *)row + i + half, _mm512_add_ps(e, f));
+                }
+            }
+#endif
+            for (; i < half; i++) {
+                const float c = load_elt(cos, t * half + i, is_bf16), s = load_elt(sin, t * half + i, is_bf16);
+                const float x1 = load_elt(row, i, is_bf16), x2 = load_elt(row, i + half, is_bf16);
+                float a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
+                if (is_bf16) {
+                    a = round_bf16(a); b = round_bf16(b); e = round_bf16(e); f = round_bf16(f);
+                }
+                store_elt(row, i, a - b, is_bf16);
+                store_elt(row, i + half, e + f, is_bf16);
+            }
+        }
     }
     return 0;
 }

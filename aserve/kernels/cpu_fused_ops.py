@@ -1,5 +1,5 @@
 """Builds and calls the fused element-wise C kernels (``cpu_fused_ops.c``) on CPU:
-RMSNorm with its residual add, and SiLU(gate) * up, each one call instead of several
+RMSNorm with its residual add, SiLU(gate) * up and rotary, each one call instead of several
 small torch ops (the ops' dispatch, not their arithmetic, dominates at decode batch
 sizes).
 
@@ -36,6 +36,9 @@ class FusedOps:
         self._silu = lib.aserve_silu_mul
         self._silu.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
         self._silu.restype = ctypes.c_int
+        self._rotary = lib.aserve_rotary
+        self._rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+        self._rotary.restype = ctypes.c_int
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -66,6 +69,14 @@ class FusedOps:
                    int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, H, D] in place (heads and rows may be strided, D contiguous)
+        by ``cos`` / ``sin`` ([T, D/2] contiguous, x's dtype); returns ``x``."""
+        tokens, heads, dim = x.shape
+        self._rotary(x.data_ptr(), x.stride(0), x.stride(1), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(),
+                     int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        return x
+
 
 def load() -> FusedOps | None:
     """The kernels, or None where they are unavailable or switched off."""
@@ -78,7 +89,7 @@ def load() -> FusedOps | None:
 
 def attach(model: torch.nn.Module, ops: FusedOps) -> int:
     """Give every module of ``model`` that declares a ``fused_ops`` slot (RMSNorm, the
-    MLPs) the kernels; returns how many."""
+    MLPs, the rotary embedding) the kernels; returns how many."""
     count = 0
     for module in model.modules():
         if hasattr(type(module), "fused_ops"):

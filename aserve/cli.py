@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--worker-threads", type=int, default=None,
                      help="torch threads per worker (default: this node's cores / its workers). On a small "
                           "machine a tiny model serves faster with fewer, leaving cores to the API server")
+    run.add_argument("--no-cpu-affinity", dest="cpu_affinity", action="store_false",
+                     help="do not pin workers to cores of their own when their threads leave cores free "
+                          "(the API servers and engine cores then share those; see docs/configuration.md)")
     run.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
     run.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator")
     run.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -270,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK * args.tp,
-        worker_threads=args.worker_threads,
+        worker_threads=args.worker_threads, cpu_affinity=args.cpu_affinity,
         heartbeat_timeout=args.heartbeat_timeout,
     )
     served_model_name = args.served_model_name or model_name(args.model)

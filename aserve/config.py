@@ -87,6 +87,10 @@ class ParallelConfig:
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None
     worker_threads: int | None = None  # torch threads per worker; None: cores / local world size
+    # The cores of this node aserve may use (the starting process's affinity; None: all
+    # of os.cpu_count()), and whether to pin processes to them (see cpu_plan).
+    node_cpus: tuple[int, ...] | None = None
+    cpu_affinity: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -110,8 +114,33 @@ class ParallelConfig:
         return max(1, self.local_engines) * self.tensor_parallel_size
 
     def threads_per_worker(self, cores: int) -> int:
-        """``worker_threads``, or the node's cores shared out between its workers."""
+        """``worker_threads``, or the node's cores shared out between its workers
+        (``cores`` is used only when ``node_cpus`` is unknown)."""
+        if self.node_cpus is not None:
+            cores = len(self.node_cpus)
         return self.worker_threads or max(1, cores // self.local_world_size)
+
+    def cpu_plan(self) -> tuple[tuple[int, ...], list[tuple[int, ...]]] | None:
+        """``(front-end cores, cores of each local worker)``, or None: no pinning.
+
+        When the workers' threads leave at least one core of ``node_cpus`` free, each
+        worker gets cores of its own, from the end of the list, and the processes that
+        serve them (engine cores, API servers, the coordinator) get the rest: a model
+        step then never shares its cores with HTTP and scheduling work (vLLM binds its
+        CPU workers' threads to cores for the same reason). Otherwise (the usual case of
+        workers that use every core) nothing is pinned: the OS balances better than a
+        fixed split of too few cores. Worker ``k`` is local engine ``k // tp``, rank
+        ``k % tp``."""
+        cpus = self.node_cpus
+        if not self.cpu_affinity or cpus is None:
+            return None
+        per_worker = self.threads_per_worker(len(cpus))
+        used = per_worker * self.local_world_size
+        if used >= len(cpus):
+            return None
+        end = len(cpus)
+        workers = [tuple(cpus[end - (k + 1) * per_worker : end - k * per_worker]) for k in range(self.local_world_size)]
+        return tuple(cpus[: end - used]), workers
 
 
 @dataclass(frozen=True)

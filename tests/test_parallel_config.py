@@ -35,3 +35,22 @@ def test_step_budget_defaults_scale_with_tensor_parallelism(llama_dir):
     assert make_engine_config(str(llama_dir)).scheduler.max_num_batched_tokens == 4096
     assert make_engine_config(str(llama_dir), tensor_parallel_size=2).scheduler.max_num_batched_tokens == 8192
     assert make_engine_config(str(llama_dir), max_num_batched_tokens=100).scheduler.max_num_batched_tokens == 100
+
+
+def test_cpu_plan_pins_workers_only_when_cores_are_left_over():
+    two = (0, 1)
+    # The 7M benchmark's setup: one worker thread on two cores.
+    assert ParallelConfig(worker_threads=1, node_cpus=two).cpu_plan() == ((0,), [(1,)])
+    # Workers that use every core (the default) or more: nothing is pinned.
+    assert ParallelConfig(node_cpus=two).cpu_plan() is None
+    assert ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, node_cpus=two).cpu_plan() is None
+    # Cores of their own per worker, from the end; the front end keeps the rest.
+    cpus = tuple(range(4, 12))
+    plan = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, worker_threads=1, node_cpus=cpus).cpu_plan()
+    assert plan == ((4, 5, 6, 7), [(11,), (10,), (9,), (8,)])
+    assert ParallelConfig(worker_threads=3, node_cpus=cpus).cpu_plan() == ((4, 5, 6, 7, 8), [(9, 10, 11)])
+    # Switched off, or the cores unknown.
+    assert ParallelConfig(worker_threads=1, node_cpus=two, cpu_affinity=False).cpu_plan() is None
+    assert ParallelConfig(worker_threads=1).cpu_plan() is None
+    # threads_per_worker counts the node's cores, not the caller's (a pinned process's) share.
+    assert ParallelConfig(node_cpus=cpus).threads_per_worker(1) == 8

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 from aserve.api.app import ServerState, build_app
-from aserve.launch.process_utils import exit_with_parent, ignore_termination, set_process_title
+from aserve.launch.process_utils import exit_with_parent, ignore_termination, pin_to_cpus, set_process_title
 
 logger = logging.getLogger("aserve.api_server")
 
@@ -80,6 +80,9 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
     from aserve.frontend.async_llm import AsyncLLM
 
     engine = AsyncLLM(**cfg.engine_kwargs, attach=cfg.attach)
+    plan = engine.config.parallel.cpu_plan()
+    if plan is not None:  # off the workers' cores, like the engine cores
+        pin_to_cpus(plan[0], all_threads=True)
     state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
     app = _InFlight(build_app(state), cfg.index)
     config = Config()

@@ -48,6 +48,7 @@ from aserve.launch.process_utils import (
     exit_with_parent,
     ignore_termination,
     interrupt_on_termination,
+    pin_to_cpus,
     set_process_title,
 )
 from aserve.wire.auth import secure_client
@@ -96,6 +97,9 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     """Process entry point (a ``spawn`` target)."""
     parent = os.getppid()
     set_process_title(f"aserve::engine_core_{cfg.engine_index}")
+    plan = cfg.engine.parallel.cpu_plan()
+    if plan is not None:
+        pin_to_cpus(plan[0], all_threads=True)  # off the workers' cores (theirs are set in each worker)
     interrupt_on_termination()  # until the busy loop exists: interrupts start-up, cleanly
     exit_with_parent()
     logging.basicConfig(level=read_env().log_level,

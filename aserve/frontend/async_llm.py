@@ -111,6 +111,7 @@ class AsyncLLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         worker_threads: int | None = None,
+        cpu_affinity: bool = True,
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
@@ -125,7 +126,7 @@ class AsyncLLM:
     ) -> None:
         self.config = make_engine_config(
             model, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-            worker_threads=worker_threads, dtype=dtype,
+            worker_threads=worker_threads, cpu_affinity=cpu_affinity, dtype=dtype,
             max_model_len=max_model_len, seed=seed, kv_cache_memory=kv_cache_memory, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

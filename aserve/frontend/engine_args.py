@@ -3,6 +3,8 @@ one validated ``EngineConfig``."""
 
 from __future__ import annotations
 
+import os
+
 from aserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK,
@@ -23,6 +25,14 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
+def node_cpus() -> tuple[int, ...] | None:
+    """The cores this process may run on (the node's share for aserve's processes)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:
+        return None
+
+
 def make_engine_config(
     model: str | None = None,
     *,
@@ -40,6 +50,7 @@ def make_engine_config(
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int | None = None,
+    cpu_affinity: bool = True,
 ) -> EngineConfig:
     """Raises ``ConfigError`` (naming the field) for an invalid value.
 
@@ -56,5 +67,6 @@ def make_engine_config(
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
         ),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                                data_parallel_size_local=data_parallel_size_local, worker_threads=worker_threads),
+                                data_parallel_size_local=data_parallel_size_local, worker_threads=worker_threads,
+                                node_cpus=node_cpus(), cpu_affinity=cpu_affinity),
     )

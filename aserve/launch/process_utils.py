@@ -86,6 +86,25 @@ def skip_resource_tracker() -> None:
         tracker._pid = None
 
 
+def pin_to_cpus(cpus: tuple[int, ...] | None, *, all_threads: bool = False) -> None:
+    """Restrict this thread, and the threads it starts from now on, to ``cpus`` (no-op
+    for None); with ``all_threads``, every thread the process already has too. Call it
+    first thing in a process, before torch starts its thread pool."""
+    if not cpus:
+        return
+    tids = [0]
+    if all_threads:
+        try:
+            tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+        except OSError:
+            pass
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (AttributeError, OSError):  # not Linux, cores outside this cgroup, a thread gone
+            pass
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -76,16 +76,29 @@ def bench_transformers(model: Path, dtype: str, prompts: list[list[int]], output
     return len(prompts) * output_len / elapsed
 
 
-def _run_with_threads(fn, threads: int, *args):  # type: ignore[no-untyped-def]
+def _run_with_threads(conn, fn, threads: int, *args) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(threads)
-    return fn(*args)
+    conn.send(fn(*args))
+    conn.close()
 
 
 def _isolated(fn, threads: int, *args) -> float:  # type: ignore[no-untyped-def]
     """Run one measurement in a fresh process: aserve tunes the process's malloc
-    (aserve.worker.cpu_memory), which must not speed up the transformers baseline."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_run_with_threads, (fn, threads, *args))
+    (aserve.worker.cpu_memory), which must not speed up the transformers baseline.
+    A plain process and a pipe: a Pool's locks would outlive the child's resource
+    tracker, which aserve keeps from starting, and be reported as leaked."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_run_with_threads, args=(send, fn, threads, *args))
+    proc.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"the measurement process failed (exit code {proc.join() or proc.exitcode})") from None
+    finally:
+        proc.join()
+    return result
 
 
 def main() -> None:

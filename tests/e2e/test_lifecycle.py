@@ -66,8 +66,11 @@ def test_sigterm_drains_then_exits_0(llama_dir):
     result = {}
 
     def long_request():
+        # Long enough to still be running when the drain is checked below (the model's
+        # limit is 256 tokens): with asynchronous scheduling the tiny model decodes 60
+        # tokens in well under 100 ms, and the server could finish draining first.
         r = httpx.post(server.base_url + "/v1/completions", timeout=60,
-                       json={"prompt": "Hello", "max_tokens": 60, "ignore_eos": True})
+                       json={"prompt": "Hello", "max_tokens": 250, "ignore_eos": True})
         result["status"] = r.status_code
         result["body"] = r.json()
 

@@ -169,8 +169,16 @@ def kv_usage(server) -> float:
     raise AssertionError("no aserve:kv_cache_usage_perc")
 
 
+def metric_total(server, name: str) -> float:
+    """The sum of a metric's samples (over its labels)."""
+    return sum(float(line.split()[-1]) for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_every_engine_request(server, stream):
+    tokens_before = metric_total(server, "aserve:generation_tokens_total")
+    disconnects_before = metric_total(server, "aserve:http_requests_client_disconnected_total")
     host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
     body = (b'{"model": "tiny", "prompt": ["Hello", "World"], "n": 2, "max_tokens": 200, "ignore_eos": true, '
             b'"stream": ' + (b"true" if stream else b"false") + b"}")
@@ -192,7 +200,9 @@ def test_client_disconnect_aborts_every_engine_request(server, stream):
     while kv_usage(server) > 0.0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert kv_usage(server) == 0.0
-    assert "aserve:http_requests_client_disconnected_total" in httpx.get(server.base_url + "/metrics").text
+    assert metric_total(server, "aserve:http_requests_client_disconnected_total") == disconnects_before + 1
+    # Cut short, not finished: the four requests would have produced 4 x 200 tokens.
+    assert metric_total(server, "aserve:generation_tokens_total") - tokens_before < 4 * 200
 
 
 def test_openai_stream_closed_early_aborts(server, client):

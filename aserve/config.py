@@ -142,6 +142,19 @@ class ParallelConfig:
         workers = [tuple(cpus[end - (k + 1) * per_worker : end - k * per_worker]) for k in range(self.local_world_size)]
         return tuple(cpus[: end - used]), workers
 
+    def frontend_cpus(self) -> tuple[int, ...] | None:
+        """The cores of engine cores and API servers under :meth:`cpu_plan` (None: any)."""
+        plan = self.cpu_plan()
+        return None if plan is None else plan[0]
+
+    def worker_cpus(self, dp_rank: int, rank: int) -> tuple[int, ...] | None:
+        """The cores of TP rank ``rank`` of DP engine ``dp_rank`` (None: any); a node's
+        engines are consecutive DP ranks."""
+        plan = self.cpu_plan()
+        if plan is None:
+            return None
+        return plan[1][(dp_rank % max(1, self.local_engines)) * self.tensor_parallel_size + rank]
+
 
 @dataclass(frozen=True)
 class EngineConfig:

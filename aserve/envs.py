@@ -1,14 +1,14 @@
 """The few environment variables aserve reads, typed, in one place.
 
-=====================  ===================================================  =======================
-variable               meaning                                              default
-=====================  ===================================================  =======================
-``ASERVE_CACHE_DIR``   where the default model and the CPU kernel are built ``~/.cache/aserve``
-``ASERVE_LOG_LEVEL``   log level of aserve's loggers                        ``INFO``
-``ASERVE_CPU_ATTENTION`` ``sdpa``: no C decode-attention kernel             ``kernel``
-``ASERVE_CPU_FUSED_OPS`` ``0``: no C RMSNorm / SiLU kernels                   ``1``
-``ASERVE_DP_SECRET``   shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
-=====================  ===================================================  =======================
+==========================  ===================================================  =======================
+variable                    meaning                                              default
+==========================  ===================================================  =======================
+``ASERVE_CACHE_DIR``        where the default model and C kernels are built      ``~/.cache/aserve``
+``ASERVE_LOG_LEVEL``        log level of aserve's loggers                        ``INFO``
+``ASERVE_CPU_ATTENTION``    ``sdpa``: no C decode-attention kernel               ``kernel``
+``ASERVE_CPU_FUSED_OPS``    ``0``: no C RMSNorm / SiLU / rotary kernels          ``1``
+``ASERVE_DP_SECRET``        shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
+==========================  ===================================================  =======================
 
 Read them through :func:`read_env`, once, at the edge (the CLI or a constructor), and
 pass the values on explicitly.

@@ -16,6 +16,14 @@ def ops():
     return loaded
 
 
+@pytest.fixture
+def set_threads():
+    """``torch.set_num_threads`` for the test; the count is restored after it."""
+    old = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(old)
+
+
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # LlamaRMSNorm.forward, as transformers writes it.
     h = x.to(torch.float32)
@@ -31,39 +39,31 @@ def ulp_tolerance(dtype: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,hidden,threads", [(1, 64, 1), (32, 256, 1), (300, 1024, 2), (5, 100, 2)])
-def test_rms_norm_matches_hugging_face(ops, dtype, rows, hidden, threads):
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(rows + hidden)
-        # x as the layers pass it: rows of a wider tensor (strided), last dim contiguous.
-        x = (torch.randn(rows, hidden + 8, generator=gen) * 3).to(dtype)[:, 4 : 4 + hidden]
-        residual = torch.randn(rows, hidden, generator=gen).to(dtype)
-        weight = torch.randn(hidden, generator=gen).to(dtype)
-        out, none = ops.rms_norm(x, weight, 1e-5)
-        assert none is None and out.dtype == dtype and out.shape == (rows, hidden)
-        torch.testing.assert_close(out, hf_rms_norm(x, weight, 1e-5), **ulp_tolerance(dtype))
-        out, new_residual = ops.rms_norm(x, weight, 1e-5, residual)
-        assert torch.equal(new_residual, x + residual)  # the add, rounded in the dtype
-        torch.testing.assert_close(out, hf_rms_norm(x + residual, weight, 1e-5), **ulp_tolerance(dtype))
-    finally:
-        torch.set_num_threads(old)
+def test_rms_norm_matches_hugging_face(ops, set_threads, dtype, rows, hidden, threads):
+    set_threads(threads)
+    gen = torch.Generator().manual_seed(rows + hidden)
+    # x as the layers pass it: rows of a wider tensor (strided), last dim contiguous.
+    x = (torch.randn(rows, hidden + 8, generator=gen) * 3).to(dtype)[:, 4 : 4 + hidden]
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    out, none = ops.rms_norm(x, weight, 1e-5)
+    assert none is None and out.dtype == dtype and out.shape == (rows, hidden)
+    torch.testing.assert_close(out, hf_rms_norm(x, weight, 1e-5), **ulp_tolerance(dtype))
+    out, new_residual = ops.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(new_residual, x + residual)  # the add, rounded in the dtype
+    torch.testing.assert_close(out, hf_rms_norm(x + residual, weight, 1e-5), **ulp_tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,inter,threads", [(1, 40, 1), (32, 704, 1), (200, 2816, 2), (3, 17, 2)])
-def test_silu_mul_matches_torch(ops, dtype, rows, inter, threads):
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(rows * inter)
-        gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
-        gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # the clamped ends and zero
-        out = ops.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        torch.testing.assert_close(out, F.silu(gate) * up, **ulp_tolerance(dtype))
-    finally:
-        torch.set_num_threads(old)
+def test_silu_mul_matches_torch(ops, set_threads, dtype, rows, inter, threads):
+    set_threads(threads)
+    gen = torch.Generator().manual_seed(rows * inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # the clamped ends and zero
+    out = ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, **ulp_tolerance(dtype))
 
 
 def test_switched_off_by_environment(monkeypatch):
@@ -107,24 +107,20 @@ def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,threads", [(1, 1), (32, 1), (600, 2)])
-def test_rotary_matches_hugging_face_in_place(ops, dtype, tokens, threads):
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(tokens)
-        hq, hk, dim = 4, 2, 64
-        qkv = torch.randn(tokens, hq + 2 * hk, dim, generator=gen).to(dtype)
-        angles = torch.rand(tokens, dim // 2, generator=gen) * 100
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        before = qkv.clone()
-        qk = qkv[:, : hq + hk]  # the strided view the attention layer rotates
-        out = ops.rotary_(qk, cos, sin)
-        assert out.data_ptr() == qkv.data_ptr()
-        assert torch.equal(qkv[:, hq + hk :], before[:, hq + hk :])  # v untouched
-        expected = hf_rotary(before[:, : hq + hk], cos, sin)
-        if dtype == torch.bfloat16:
-            assert torch.equal(qk, expected)  # the same roundings, so the same bits
-        else:
-            torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-6)
-    finally:
-        torch.set_num_threads(old)
+def test_rotary_matches_hugging_face_in_place(ops, set_threads, dtype, tokens, threads):
+    set_threads(threads)
+    gen = torch.Generator().manual_seed(tokens)
+    hq, hk, dim = 4, 2, 64
+    qkv = torch.randn(tokens, hq + 2 * hk, dim, generator=gen).to(dtype)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    before = qkv.clone()
+    qk = qkv[:, : hq + hk]  # the strided view the attention layer rotates
+    out = ops.rotary_(qk, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()
+    assert torch.equal(qkv[:, hq + hk :], before[:, hq + hk :])  # v untouched
+    expected = hf_rotary(before[:, : hq + hk], cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(qk, expected)  # the same roundings, so the same bits
+    else:
+        torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-6)

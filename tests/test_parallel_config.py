@@ -52,5 +52,11 @@ def test_cpu_plan_pins_workers_only_when_cores_are_left_over():
     # Switched off, or the cores unknown.
     assert ParallelConfig(worker_threads=1, node_cpus=two, cpu_affinity=False).cpu_plan() is None
     assert ParallelConfig(worker_threads=1).cpu_plan() is None
+    # What each process pins itself to: engine k's rank r is worker k * tp + r.
+    tp2dp2 = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, worker_threads=1, node_cpus=cpus)
+    assert tp2dp2.frontend_cpus() == (4, 5, 6, 7)
+    assert [tp2dp2.worker_cpus(dp, r) for dp in (0, 1) for r in (0, 1)] == [(11,), (10,), (9,), (8,)]
+    assert ParallelConfig(node_cpus=two).frontend_cpus() is None
+    assert ParallelConfig(node_cpus=two).worker_cpus(0, 0) is None
     # threads_per_worker counts the node's cores, not the caller's (a pinned process's) share.
     assert ParallelConfig(node_cpus=cpus).threads_per_worker(1) == 8

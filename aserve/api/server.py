@@ -80,9 +80,7 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
     from aserve.frontend.async_llm import AsyncLLM
 
     engine = AsyncLLM(**cfg.engine_kwargs, attach=cfg.attach)
-    plan = engine.config.parallel.cpu_plan()
-    if plan is not None:  # off the workers' cores, like the engine cores
-        pin_to_cpus(plan[0], all_threads=True)
+    pin_to_cpus(engine.config.parallel.frontend_cpus(), all_threads=True)  # off the workers' cores
     state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
     app = _InFlight(build_app(state), cfg.index)
     config = Config()

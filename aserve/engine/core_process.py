@@ -97,9 +97,7 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     """Process entry point (a ``spawn`` target)."""
     parent = os.getppid()
     set_process_title(f"aserve::engine_core_{cfg.engine_index}")
-    plan = cfg.engine.parallel.cpu_plan()
-    if plan is not None:
-        pin_to_cpus(plan[0], all_threads=True)  # off the workers' cores (theirs are set in each worker)
+    pin_to_cpus(cfg.engine.parallel.frontend_cpus(), all_threads=True)  # off the workers' cores
     interrupt_on_termination()  # until the busy loop exists: interrupts start-up, cleanly
     exit_with_parent()
     logging.basicConfig(level=read_env().log_level,

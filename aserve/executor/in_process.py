@@ -19,9 +19,6 @@ class InProcessExecutor:
         self.worker = Worker(config, TPGroup.single())
         self._pending: SchedulerOutput | None = None
 
-    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
-        return self.worker.execute_model(sched)
-
     def submit_model(self, sched: SchedulerOutput) -> None:
         assert self._pending is None, "one step at a time"
         self._pending = sched

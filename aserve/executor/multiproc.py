@@ -111,10 +111,6 @@ class MultiprocExecutor:
             raise EngineDeadError(f"worker tp{rank} failed: {reply.error}")
         return reply.output
 
-    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
-        self.submit_model(sched)
-        return self.wait_model()
-
     def submit_model(self, sched: SchedulerOutput) -> None:
         self._write(WorkerCall("execute_model", sched, output_rank=0), time.monotonic() + EXECUTE_MODEL_TIMEOUT)
 

@@ -335,26 +335,25 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
 
 /* One copy of the task per common head size and dtype, so gcc unrolls the loops over
  * the head dimension and drops the dtype branch from them. */
+#define CALL_BY_SIZE(task)                                                                         \
+    do {                                                                                           \
+        if (a->D == 64) {                                                                          \
+            if (a->is_bf16) task(a, b, hk0, hk1, 64, 1); else task(a, b, hk0, hk1, 64, 0);         \
+        } else if (a->D == 128) {                                                                  \
+            if (a->is_bf16) task(a, b, hk0, hk1, 128, 1); else task(a, b, hk0, hk1, 128, 0);       \
+        } else {                                                                                   \
+            if (a->is_bf16) task(a, b, hk0, hk1, a->D, 1); else task(a, b, hk0, hk1, a->D, 0);     \
+        }                                                                                          \
+    } while (0)
+
 static void dispatch_task(const Args *a, int64_t b, int64_t hk0, int64_t hk1) {
 #if defined(__AVX512F__)
     if (a->D % 32 == 0) { /* bf16 rows are read 32 elements at a time */
-        if (a->D == 64) {
-            if (a->is_bf16) one_task_avx512(a, b, hk0, hk1, 64, 1); else one_task_avx512(a, b, hk0, hk1, 64, 0);
-        } else if (a->D == 128) {
-            if (a->is_bf16) one_task_avx512(a, b, hk0, hk1, 128, 1); else one_task_avx512(a, b, hk0, hk1, 128, 0);
-        } else {
-            if (a->is_bf16) one_task_avx512(a, b, hk0, hk1, a->D, 1); else one_task_avx512(a, b, hk0, hk1, a->D, 0);
-        }
+        CALL_BY_SIZE(one_task_avx512);
         return;
     }
 #endif
-    if (a->D == 64) {
-        if (a->is_bf16) one_task(a, b, hk0, hk1, 64, 1); else one_task(a, b, hk0, hk1, 64, 0);
-    } else if (a->D == 128) {
-        if (a->is_bf16) one_task(a, b, hk0, hk1, 128, 1); else one_task(a, b, hk0, hk1, 128, 0);
-    } else {
-        if (a->is_bf16) one_task(a, b, hk0, hk1, a->D, 1); else one_task(a, b, hk0, hk1, a->D, 0);
-    }
+    CALL_BY_SIZE(one_task);
 }
 
 /* Tasks: (sequence, chunk of KV heads). A chunk holds every KV head unless there are

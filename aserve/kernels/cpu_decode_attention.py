@@ -14,7 +14,6 @@ plain-torch path (:mod:`aserve.worker.decode_staging`).
 from __future__ import annotations
 
 import ctypes
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,8 +21,6 @@ import torch
 
 from aserve.envs import read_env
 from aserve.kernels.cbuild import load_library
-
-logger = logging.getLogger("aserve.kernels")
 
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 _LIMITS = {"group": 64, "head_dim": 512, "block_size": 128}

@@ -10,15 +10,12 @@ switched off (``ASERVE_CPU_FUSED_OPS=0``); the layers then keep their torch form
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
 from aserve.envs import read_env
 from aserve.kernels.cbuild import load_library
-
-logger = logging.getLogger("aserve.kernels")
 
 _SOURCE = Path(__file__).with_name("cpu_fused_ops.c")
 MAX_HIDDEN = 65536

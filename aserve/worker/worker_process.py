@@ -25,10 +25,10 @@ from aserve.executor.messages import CALL_DECODER, WorkerCall, WorkerReply
 from aserve.launch.heartbeat import HeartbeatTable, worker_slot
 from aserve.launch.process_utils import (
     available_cores,
-    pin_to_cpus,
     exit_with_parent,
     ignore_termination,
     interrupt_on_termination,
+    pin_to_cpus,
     set_process_title,
 )
 
@@ -59,10 +59,7 @@ def worker_title(cfg: WorkerProcConfig) -> str:
 def run_worker(cfg: WorkerProcConfig) -> None:
     """Process entry point (a ``spawn`` target)."""
     set_process_title(worker_title(cfg))
-    plan = cfg.engine.parallel.cpu_plan()
-    if plan is not None:
-        local_engine = cfg.dp_rank % max(1, cfg.engine.parallel.local_engines)
-        pin_to_cpus(plan[1][local_engine * cfg.tp_size + cfg.rank], all_threads=True)
+    pin_to_cpus(cfg.engine.parallel.worker_cpus(cfg.dp_rank, cfg.rank), all_threads=True)
     interrupt_on_termination()
     exit_with_parent()
     logging.basicConfig(level=read_env().log_level,

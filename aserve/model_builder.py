@@ -11,12 +11,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, Any
 
 from aserve.tiny_tokenizer import EOS, IM_END, build_tokenizer, write_tokenizer_files
+
+if TYPE_CHECKING:  # torch is imported where weights are made: the server's front end runs without it
+    import torch
 
 
 def llama_config(*, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
@@ -47,6 +47,8 @@ def llama_config(*, hidden_size: int, num_layers: int, num_heads: int, num_kv_he
 
 def random_llama_weights(cfg: dict[str, Any], *, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:
     """A Llama state dict in the checkpoint's names, normal(0, std) weights, unit norms."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg["dtype"])
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -77,6 +79,8 @@ def random_llama_weights(cfg: dict[str, Any], *, seed: int, std: float = 0.02) -
 
 def write_model_dir(model_dir: Path, cfg: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
     """Write config, generation config, weights and the tiny tokenizer into ``model_dir``."""
+    from safetensors.torch import save_file
+
     model_dir.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer_files(model_dir)
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -154,6 +154,34 @@ async def test_many_concurrent_streams_and_output_kinds(llama_dir):
         assert got == want
 
 
+async def test_a_consumer_that_falls_behind_gets_the_missed_steps_in_one_output(llama_dir):
+    from aserve.sampling_params import RequestOutputKind
+
+    # 40 tokens: the engine is still running when the consumer takes its first output.
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = LLM(str(llama_dir), kv_cache_memory=1 << 22).generate(PROMPTS[0], greedy)[0].outputs[0]
+    async with AsyncLLM(str(llama_dir), kv_cache_memory=1 << 22) as llm:
+        for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, output_kind=kind)
+            outputs = []
+            async for out in llm.generate(PROMPTS[0], params):
+                outputs.append(out)
+                if len(outputs) == 1:
+                    # Stop consuming until the engine has finished the request (its last
+                    # output reaches the front end before the reply to this call).
+                    with anyio.fail_after(30):
+                        while (await llm.get_stats())["num_running"]:
+                            await anyio.sleep(0.01)
+            assert len(outputs) == 2 and outputs[1].finished and not outputs[0].finished
+            first, rest = outputs[0].outputs[0], outputs[1].outputs[0]
+            if kind == RequestOutputKind.DELTA:  # the second delta covers every missed step
+                assert first.token_ids + rest.token_ids == want.token_ids and len(rest.token_ids) > 1
+                assert first.text + rest.text == want.text
+            else:
+                assert rest.token_ids == want.token_ids and rest.text == want.text
+            assert rest.finish_reason == "length"
+
+
 async def test_cancelled_consumer_frees_its_blocks(llama_dir):
     async with AsyncLLM(str(llama_dir), kv_cache_memory=1 << 22) as llm:
         seen = 0

@@ -137,17 +137,20 @@ class _Handler:
                 if engine_label is None:  # the engine is known once generate has started
                     engine_label = str(self.engine.engine_for(request_id))
                     metrics.prompt_tokens.labels(engine_label).inc(len(ids))
+                    # This request's series, looked up once (``labels`` locks and hashes).
+                    generation_tokens = metrics.generation_tokens.labels(engine_label)
+                    itl = metrics.itl.labels(engine_label)
                 now = time.monotonic()
                 if first and "queue_time" in out.metrics:
                     metrics.queue_time.labels(engine_label).observe(out.metrics["queue_time"])
                 new_tokens = sum(len(c.token_ids) for c in out.outputs)
                 if new_tokens:
-                    metrics.generation_tokens.labels(engine_label).inc(new_tokens)
+                    generation_tokens.inc(new_tokens)
                     if first:
                         metrics.ttft.labels(engine_label).observe(now - start)
                         first = False
                     else:
-                        metrics.itl.labels(engine_label).observe((now - last) / new_tokens)
+                        itl.observe((now - last) / new_tokens)
                     last = now
                 for c in out.outputs:
                     if c.finish_reason is not None:

@@ -18,8 +18,8 @@ from aserve.engine.request import Request
 from aserve.engine.scheduler import Scheduler
 from aserve.errors import ConfigError, PromptTooLongError
 from aserve.model.hf_config import ArchConfig, load_arch_config
-from aserve.model.loader import resolve_dtype
-from aserve.model.registry import resolve_model_class
+from aserve.model.dtypes import resolve_dtype_name
+from aserve.model.registry import check_architecture
 from aserve.wire.messages import EngineCoreOutput, EngineCoreRequest
 from aserve.worker.kv_spec import bytes_per_block
 
@@ -47,8 +47,8 @@ def fit_config(config: EngineConfig) -> FittedConfig:
 
         raise ModelFileNotFoundError(f"model directory {model_dir} does not exist")
     arch = load_arch_config(model_dir)
-    resolve_model_class(arch.architecture)  # fail early, naming the supported ones
-    dtype = resolve_dtype(config.model.dtype, arch)
+    check_architecture(arch.architecture)  # fail early, naming the supported ones
+    dtype = resolve_dtype_name(config.model.dtype, arch)
     block_size = config.cache.block_size
     per_block = bytes_per_block(arch, tp_size=config.parallel.tensor_parallel_size, dtype=dtype, block_size=block_size)
     num_blocks = config.cache.kv_cache_memory // per_block

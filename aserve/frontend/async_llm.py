@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import multiprocessing as mp
 import os
 import tempfile
@@ -94,6 +93,33 @@ class EngineAttachment:
     report: Any = None  # a multiprocessing Connection that gets the bound endpoints (tcp port 0)
 
 
+class _Wakeup:
+    """A level-triggered flag one task waits on and any code in the same event loop sets;
+    ``set`` never blocks and repeated sets before a wait count once (works under asyncio
+    and Trio: the event is anyio's)."""
+
+    __slots__ = ("_flag", "_event")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._event: anyio.Event | None = None
+
+    def set(self) -> None:
+        self._flag = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        """Return once the flag is set (at once if it already is), clearing it."""
+        if not self._flag:
+            self._event = anyio.Event()
+            try:
+                await self._event.wait()
+            finally:
+                self._event = None
+        self._flag = False
+
+
 @dataclass
 class _Engine:
     rank: int
@@ -146,7 +172,7 @@ class AsyncLLM:
         self.tokenizer = Tokenizer(Path(self.config.model.model))
         self.input_processor = InputProcessor.for_model(self._fitted, self.tokenizer)
         self._processor = OutputProcessor()
-        self._streams: dict[str, Any] = {}
+        self._streams: dict[str, _Wakeup] = {}  # request id -> its generate iterator's wake-up
         self._pending_calls: dict[int, list[Any]] = {}
         self._call_ids = itertools.count()
         self._encoder = RequestEncoder()
@@ -374,13 +400,13 @@ class AsyncLLM:
                     entry[0].set()
             if not outputs.outputs:
                 continue
-            results, to_abort = self._processor.process(outputs.outputs)
+            touched, to_abort = self._processor.apply(outputs.outputs)
             if to_abort:
                 self._send(RequestType.ABORT, to_abort, outputs.engine_index)
-            for result in results:
-                stream = self._streams.get(result.request_id)
-                if stream is not None:
-                    stream.send_nowait(result)
+            for state in touched:
+                wakeup = self._streams.get(state.request_id)
+                if wakeup is not None:
+                    wakeup.set()
 
     def _fail(self, error: EngineDeadError) -> None:
         if self._dead is None:
@@ -388,11 +414,8 @@ class AsyncLLM:
             if not self._stopping:
                 self.failure = error
             self.dead_event.set()
-        for stream in list(self._streams.values()):
-            try:
-                stream.send_nowait(error)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
+        for wakeup in list(self._streams.values()):
+            wakeup.set()
         for entry in self._pending_calls.values():
             entry[1] = error
             entry[0].set()
@@ -451,8 +474,8 @@ class AsyncLLM:
             raise InvalidInputError(f"request id {request_id!r} is already in use", param="request_id")
         state = RequestState(request_id, text, ids, params, self.tokenizer)
         engine = self._lb.pick(data_parallel_rank)  # counted in flight from here: released in finally
-        send, receive = anyio.create_memory_object_stream[Any](math.inf)
-        self._streams[request_id] = send
+        wakeup = _Wakeup()
+        self._streams[request_id] = wakeup
         self._engine_of[request_id] = engine
         self._processor.add(state)
         finished = False
@@ -463,18 +486,25 @@ class AsyncLLM:
                 request.client_index = self.client_index
                 request.current_wave = self._wave
                 self._send(RequestType.ADD, request, engine)
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, BaseException):
-                        raise item
-                    finished = item.finished
-                    yield item
-                    if finished:
-                        return
+            # The output loop only applies engine outputs to ``state`` and wakes this
+            # iterator; the RequestOutput is made here, when the consumer is ready for
+            # it. So a consumer that fell behind (a slow client, a busy API server) gets
+            # one delta covering every step it missed rather than one per step, as
+            # vLLM's output collector merges them.
+            while True:
+                await wakeup.wait()
+                if self._dead is not None and not state.finished:
+                    raise self._dead
+                output = state.make_output()
+                if output is None:
+                    continue
+                finished = output.finished
+                yield output
+                if finished:
+                    return
         finally:
             self._streams.pop(request_id, None)
             self._release(request_id)
-            send.close()
             if not finished:
                 abandoned = self._processor.remove(request_id)
                 if abandoned is not None and self._dead is None and not self._stopping:
@@ -489,10 +519,9 @@ class AsyncLLM:
         if self._dead is None and engine is not None:
             self._send(RequestType.ABORT, state.child_ids, engine)
         state.finish_all("abort")
-        stream = self._streams.get(request_id)
-        output = state.make_output()
-        if stream is not None and output is not None:
-            stream.send_nowait(output)
+        wakeup = self._streams.get(request_id)
+        if wakeup is not None:
+            wakeup.set()
 
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` if any engine is dead; return once every one answers."""

@@ -28,7 +28,6 @@ from typing import Any
 from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from aserve.engine.engine_core import EngineCore, fit_config
 from aserve.errors import InvalidInputError
-from aserve.executor.in_process import InProcessExecutor
 from aserve.executor.multiproc import MultiprocExecutor
 from aserve.frontend.engine_args import make_engine_config
 from aserve.frontend.input_processor import InputProcessor, PromptType
@@ -66,6 +65,10 @@ class LLM:
         self.tokenizer = Tokenizer(Path(config.model.model))
         self._instance: tuple[str, str] | None = None
         if tensor_parallel_size == 1:
+            # Imported here: it brings torch and the model into this process, which
+            # ``import aserve`` alone (the server's front end) must not.
+            from aserve.executor.in_process import InProcessExecutor
+
             executor_factory = InProcessExecutor
         else:
             # Workers in their own processes, over the same rings as the server; this

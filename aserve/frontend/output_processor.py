@@ -206,6 +206,18 @@ class OutputProcessor:
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """(RequestOutputs due now, child ids the engine must abort for stop strings)."""
+        touched, to_abort = self.apply(outputs)
+        results = []
+        for state in touched:
+            output = state.make_output()
+            if output is not None:
+                results.append(output)
+        return results, to_abort
+
+    def apply(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestState], list[str]]:
+        """Apply engine outputs to their requests without making RequestOutputs: (the
+        states that changed, child ids the engine must abort for stop strings). Finished
+        states are removed here; their owners still hold them for ``make_output``."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         for out in outputs:
@@ -216,11 +228,7 @@ class OutputProcessor:
             if state.apply(index, out):
                 to_abort.append(out.request_id)
             touched[state.request_id] = state
-        results = []
         for state in touched.values():
-            output = state.make_output()
-            if output is not None:
-                results.append(output)
             if state.finished:
                 self.remove(state.request_id)
-        return results, to_abort
+        return list(touched.values()), to_abort

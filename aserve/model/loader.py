@@ -18,20 +18,13 @@ from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
 from aserve.errors import ConfigError, CorruptModelFileError, ModelFileNotFoundError
+from aserve.model.dtypes import resolve_dtype_name
 from aserve.model.hf_config import ArchConfig
 from aserve.model.registry import resolve_model_class
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_dtype(requested: str, arch: ArchConfig) -> torch.dtype:
     """``auto`` takes the checkpoint's dtype (float32 when it names none)."""
-    if requested != "auto":
-        return _DTYPES[requested]
-    name = str(arch.torch_dtype or "float32").removeprefix("torch.")
-    if name not in _DTYPES:
-        raise CorruptModelFileError(f"config.json names dtype {arch.torch_dtype!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    return getattr(torch, resolve_dtype_name(requested, arch))
 
 
 class _SafetensorsSource:

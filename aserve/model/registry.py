@@ -1,27 +1,40 @@
-"""Architecture name (``config.json``'s ``architectures[0]``) -> model class."""
+"""Architecture name (``config.json``'s ``architectures[0]``) -> model class.
+
+The classes are imported on first use: ``check_architecture`` lets the torch-free
+processes (engine core, API server) refuse an unknown architecture without importing
+the models.
+"""
 
 from __future__ import annotations
 
-from torch import nn
+import importlib
+from typing import TYPE_CHECKING
 
 from aserve.errors import UnsupportedArchitectureError
-from aserve.model.models.llama import LlamaForCausalLM, MistralForCausalLM
-from aserve.model.models.qwen2 import Qwen2ForCausalLM
-from aserve.model.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+if TYPE_CHECKING:
+    from torch import nn
+
+#: architecture name -> (module, class name)
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("aserve.model.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("aserve.model.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("aserve.model.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("aserve.model.models.qwen3", "Qwen3ForCausalLM"),
 }
 
 
-def resolve_model_class(architecture: str) -> type[nn.Module]:
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
+def check_architecture(architecture: str) -> None:
+    """Raise ``UnsupportedArchitectureError``, naming the supported ones, unless
+    ``architecture`` is registered."""
+    if architecture not in MODEL_REGISTRY:
         supported = ", ".join(sorted(MODEL_REGISTRY))
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: {supported}"
-        ) from None
+        )
+
+
+def resolve_model_class(architecture: str) -> type[nn.Module]:
+    check_architecture(architecture)
+    module, name = MODEL_REGISTRY[architecture]
+    return getattr(importlib.import_module(module), name)

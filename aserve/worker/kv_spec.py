@@ -1,9 +1,9 @@
-"""KV cache sizing from the architecture alone, before any weight is loaded."""
+"""KV cache sizing from the architecture alone, before any weight is loaded (torch-free:
+the engine core sizes the pool, see ``aserve.model.dtypes``)."""
 
 from __future__ import annotations
 
-import torch
-
+from aserve.model.dtypes import ITEMSIZE
 from aserve.model.hf_config import ArchConfig
 
 
@@ -12,7 +12,7 @@ def local_kv_heads(arch: ArchConfig, tp_size: int) -> int:
     return max(1, arch.num_key_value_heads // tp_size)
 
 
-def bytes_per_block(arch: ArchConfig, *, tp_size: int, dtype: torch.dtype, block_size: int) -> int:
-    """Bytes one KV block takes on one rank, over all layers (keys and values)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_hidden_layers * block_size * local_kv_heads(arch, tp_size) * arch.head_dim * itemsize
+def bytes_per_block(arch: ArchConfig, *, tp_size: int, dtype: str, block_size: int) -> int:
+    """Bytes one KV block takes on one rank, over all layers (keys and values); ``dtype``
+    is a resolved name (``aserve.model.dtypes.resolve_dtype_name``)."""
+    return 2 * arch.num_hidden_layers * block_size * local_kv_heads(arch, tp_size) * arch.head_dim * ITEMSIZE[dtype]

@@ -19,7 +19,6 @@ import zmq
 
 from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
-from aserve.distributed.tp_group import TPGroup
 from aserve.envs import read_env
 from aserve.executor.messages import CALL_DECODER, WorkerCall, WorkerReply
 from aserve.launch.heartbeat import HeartbeatTable, worker_slot
@@ -98,8 +97,11 @@ def run_worker(cfg: WorkerProcConfig) -> None:
 
 def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter,
            heartbeats: HeartbeatTable | None) -> None:
+    # torch and the model are imported here, in the worker, not at module level: the
+    # engine core imports this module for its entry point and stays torch-free.
     import torch.distributed as dist
 
+    from aserve.distributed.tp_group import TPGroup
     from aserve.worker.worker import Worker
 
     tp = TPGroup.single()

@@ -231,3 +231,19 @@ async def test_async_openai_client_streams(server, anyio_backend):
         await stream.close()
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_only_the_worker_loads_torch(server, client):
+    """The supervisor, the API server and the engine core run without torch (~140 MiB of
+    resident memory each); the worker maps it."""
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=2)  # every code path of a request taken
+
+    def maps_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch_cpu" in f.read()
+
+    titles = server.titles()
+    assert {title: maps_torch(pid) for title, pid in titles.items()} == {
+        "aserve::supervisor": False, "aserve::api_server_0": False, "aserve::engine_core_0": False,
+        "aserve::worker_tp0": True,
+    }

@@ -7,6 +7,7 @@ variable                    meaning                                             
 ``ASERVE_LOG_LEVEL``        log level of aserve's loggers                        ``INFO``
 ``ASERVE_CPU_ATTENTION``    ``sdpa``: no C decode-attention kernel               ``kernel``
 ``ASERVE_CPU_FUSED_OPS``    ``0``: no C RMSNorm / SiLU / rotary kernels          ``1``
+``ASERVE_CPU_AMX``          ``0``: bf16 linear layers on oneDNN, not AMX tiles    ``1``
 ``ASERVE_DP_SECRET``        shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
 ==========================  ===================================================  =======================
 
@@ -28,6 +29,7 @@ class Env:
     dp_secret: str | None = None
     cpu_attention: str = "kernel"
     cpu_fused_ops: bool = True
+    cpu_amx: bool = True
 
 
 def read_env(environ: dict[str, str] | None = None) -> Env:
@@ -39,4 +41,5 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         dp_secret=environ.get("ASERVE_DP_SECRET") or None,
         cpu_attention=environ.get("ASERVE_CPU_ATTENTION", "kernel").lower(),
         cpu_fused_ops=environ.get("ASERVE_CPU_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off"),
+        cpu_amx=environ.get("ASERVE_CPU_AMX", "1").lower() not in ("0", "false", "no", "off"),
     )

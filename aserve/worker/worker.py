@@ -16,6 +16,7 @@ from aserve.distributed.tp_group import TPGroup
 from aserve.engine.scheduler import RunnerOutput
 from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.model.hf_config import load_arch_config
+from aserve.kernels.amx_linear import load as load_amx_linear
 from aserve.kernels.cpu_fused_ops import attach as attach_fused_ops
 from aserve.kernels.cpu_fused_ops import load as load_fused_ops
 from aserve.launch.process_utils import ProgressBar
@@ -38,8 +39,9 @@ class Worker:
         progress = ProgressBar("aserve: loading weights") if show_progress else None
         model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
                            progress=progress)
-        prepack_linears(model)
-        if self.dtype in (torch.float32, torch.bfloat16) and next(model.parameters()).device.type == "cpu":
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        prepack_linears(model, load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None)
+        if self.dtype in (torch.float32, torch.bfloat16) and on_cpu:
             fused = load_fused_ops()
             if fused is not None:
                 attach_fused_ops(model, fused)

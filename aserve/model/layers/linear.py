@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
+from aserve.kernels.amx_linear import AmxLinear
 from aserve.model.layers.weights import TensorSource, check_shape, expect_full_shape, new_param
 
 
@@ -33,22 +34,34 @@ def _cpu_linear_packing_works(dtype: torch.dtype) -> bool:
 
 class _Linear(nn.Module):
     """Shared forward: ``F.linear`` until :func:`prepack_linears` picks a faster form
-    for CPU: oneDNN on a prepacked weight (about 1.5x faster than ``F.linear`` at decode
-    batch sizes, where ``F.linear`` would reorder a bf16 weight into oneDNN's blocked
-    layout on every call), or, for small float32 weights, MKL on a transposed copy."""
+    for CPU: bf16 on AMX tiles (:mod:`aserve.kernels.amx_linear`), oneDNN on a
+    prepacked weight (about 1.5x faster than ``F.linear`` at decode batch sizes, where
+    ``F.linear`` would reorder a bf16 weight into oneDNN's blocked layout on every
+    call), or, for small float32 weights, MKL on a transposed copy."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
+    amx: AmxLinear | None = None
+    amx_weight: torch.Tensor | None = None  # the tiled copy amx.pack made
     packed_weight: torch.Tensor | None = None
     transposed_weight: torch.Tensor | None = None  # [in, out], contiguous
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.amx_weight is not None:
+            assert self.amx is not None
+            # x is [T, in]: the model flattens its batch to tokens.
+            return self.amx.linear(x, self.amx_weight, self.out_rows, bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         if self.transposed_weight is not None:
             # x is [T, in]: the model flattens its batch to tokens.
             return torch.mm(x, self.transposed_weight) if bias is None else torch.addmm(bias, x, self.transposed_weight)
         return F.linear(x, self.weight, bias)
+
+    def use_amx(self, amx: AmxLinear) -> None:
+        self.amx, self.out_rows = amx, self.weight.shape[0]
+        self.amx_weight = amx.pack(self.weight.data)
+        self._drop_plain_weight()
 
     def prepack(self) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
@@ -63,11 +76,12 @@ class _Linear(nn.Module):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, amx: AmxLinear | None = None) -> int:
     """Give every tensor-parallel linear of a CPU model its fastest weight layout;
     returns how many changed.
 
-    Large weights (and every bf16 one) are prepacked for oneDNN where oneDNN can; small
+    bf16 weights whose sides are multiples of 32 go to ``amx`` when given; other large
+    weights (and every other bf16 one) are prepacked for oneDNN where oneDNN can; small
     float32 weights are stored transposed for MKL (see :func:`_packing_pays`). Call it
     after the weights are loaded: changed layers no longer accept weight loading.
     """
@@ -76,7 +90,9 @@ def prepack_linears(model: nn.Module) -> int:
         return 0
     can_pack = _cpu_linear_packing_works(layers[0].weight.dtype)
     for layer in layers:
-        if can_pack and _packing_pays(layer.weight):
+        if amx is not None and amx.supports(layer.weight):
+            layer.use_amx(amx)
+        elif can_pack and _packing_pays(layer.weight):
             layer.prepack()
         else:
             layer.transpose()

@@ -1,0 +1,87 @@
+"""bf16 linear layers on Intel AMX tiles, from ``cpu_amx_linear.c``.
+
+At decode batch sizes a linear layer's time is the time to stream its weight from
+memory; this kernel streams a pre-tiled copy (the only copy kept) with one contiguous
+run per thread, and serves prefill-sized batches about as fast as oneDNN by keeping
+groups of weight tiles in L2 while the batch's rows pass. Measured on this machine's
+two cores, 152M-model shapes, weights not in cache: 32 rows 20.5 against 23.6 ms for
+12 layers (oneDNN, prepacked), 8 rows 2.5 against 4.3 ms for 3 layers, 2048 rows even.
+
+:func:`load` returns None where the CPU has no AMX, the OS refuses the tile state, the
+kernel cannot be built, or ``ASERVE_CPU_AMX=0``; the layers then keep oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from aserve.envs import read_env
+from aserve.kernels.cbuild import load_library
+
+_SOURCE = Path(__file__).with_name("cpu_amx_linear.c")
+
+
+class AmxLinear:
+    """The loaded kernel: :meth:`pack` a weight once, then :meth:`linear` per call."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._pack = lib.aserve_amx_pack
+        self._pack.argtypes = [ptr, i64, ptr, i64, i64]
+        self._pack.restype = None
+        self._linear = lib.aserve_amx_linear
+        self._linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` ([out, in], bf16, on CPU) has the shape the tiles need."""
+        return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+                and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and weight.stride(1) == 1)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """The tiled copy of ``weight`` (see the C file for the layout), same numel."""
+        assert self.supports(weight)
+        out = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        self._pack(weight.data_ptr(), weight.stride(0), out.data_ptr(), weight.shape[0], weight.shape[1])
+        return out
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T (+ bias)`` for ``x`` [rows, in] bf16 (rows may be strided) and W's
+        :meth:`pack` ed copy; returns a new [rows, out_features] tensor."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, in_features = x.shape
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        if rows:
+            code = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), out_features, rows,
+                                out_features, in_features, torch.get_num_threads())
+            if code != 0:
+                raise ValueError(f"AMX linear: unsupported shape [{rows}, {in_features}] x [{out_features}, {in_features}]")
+        return y if bias is None else y.add_(bias)
+
+
+def cpu_has_amx() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"amx_tile", "amx_bf16"} <= set(flags.split(":", 1)[1].split())
+
+
+def load() -> AmxLinear | None:
+    """The kernel, or None where it is unavailable or switched off."""
+    env = read_env()
+    if not env.cpu_amx or not cpu_has_amx():
+        return None
+    lib = load_library(_SOURCE, env.cache_dir / "kernels", "bf16 linear layers (AMX)")
+    if lib is None:
+        return None
+    lib.aserve_amx_init.restype = ctypes.c_int
+    if not lib.aserve_amx_init():  # the kernel refused this process the tile state
+        return None
+    return AmxLinear(lib)

@@ -1,0 +1,160 @@
+/* bf16 linear layers for decode-sized batches with Intel AMX (aserve/kernels/amx_linear.py).
+ *
+ * y[M, N] = x[M, K] . W[N, K]^T for K and N multiples of 32, bf16 in and out, float32
+ * accumulation (one rounding at the end, as oneDNN and torch do).
+ *
+ * Why: at decode batch sizes a linear layer reads each weight once and does 32 (or
+ * fewer) multiply-adds with it, so its time is the time to stream the weights from
+ * memory. oneDNN's prepacked GEMM streamed them at ~15 GB/s on this machine's cores
+ * (which read ~29 GB/s in a plain loop); here each thread reads its own contiguous
+ * run of pre-tiled weights from start to end, prefetching ahead, and an AMX tile
+ * multiply (16 x 16 outputs by 32 of K) keeps the arithmetic far below the reads.
+ *
+ * Weight layout (aserve_amx_pack): W is cut into blocks of 32 output columns (a
+ * "pair" of 16-column tiles) by 32 of K; block (p, kc) is two 1 KiB B tiles, tile j
+ * holding W[32p + 16j + c][32kc + 2r + i] at row r, column 2c + i (AMX's pairs of K
+ * per 32-bit lane). The blocks are stored p-major, so the blocks of one pair (all of
+ * K) are one contiguous run of 2 KiB x K/32.
+ *
+ * Threads: the pairs are split in contiguous ranges between `num_threads` OpenMP
+ * threads; each loads its own tile configuration (it depends on M) and releases the
+ * tiles when done. The process must have asked the kernel for AMX state
+ * (aserve_amx_init); torch's oneDNN does the same.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define PREFETCH_AHEAD 4096 /* bytes of weights ahead of the tile being loaded */
+
+/* 1 when this process may use AMX tiles (asks the kernel once; idempotent). */
+int aserve_amx_init(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Pack W [N, K] (rows `w_stride` elements apart) into `out` (N * K elements). */
+void aserve_amx_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_t N, int64_t K) {
+    const int64_t KC = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < N / 32; p++) {
+        for (int64_t kc = 0; kc < KC; kc++) {
+            uint16_t *block = out + (p * KC + kc) * 1024;
+            for (int j = 0; j < 2; j++)
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 16; c++)
+                        for (int i = 0; i < 2; i++)
+                            block[j * 512 + r * 32 + 2 * c + i] = w[(32 * p + 16 * j + c) * w_stride + 32 * kc + 2 * r + i];
+        }
+    }
+}
+
+static void configure(int rows0, int rows1) {
+    /* Tiles 0-3: accumulators (row tile a, column tile b at 2a + b); 4-5: rows 0-15 and
+     * 16-31 of a chunk of x; 6-7: the two weight tiles of a block. */
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)rows0;
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(rows1 ? rows1 : rows0);
+    cfg.rows[6] = cfg.rows[7] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* One 32-column output block (pair p) for rows [0, rows) of x, rows <= 32, over all of
+ * K; the tile configuration must match `rows`. */
+static inline void pair_block(const uint16_t *x, int64_t x_stride, const char *w, uint16_t *y, int64_t y_stride,
+                              int rows, int64_t KC, int64_t p) {
+    const int two = rows > 16;
+    const int64_t xs = x_stride * 2; /* bytes */
+    float acc[32 * 32] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kc = 0; kc < KC; kc++) {
+        const char *b = w + kc * 2048;
+        for (int l = 0; l < 2048; l += 64) _mm_prefetch(b + PREFETCH_AHEAD + l, _MM_HINT_T0);
+        _tile_loadd(4, x + kc * 32, xs);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x + 16 * x_stride + kc * 32, xs);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc, 128);
+    _tile_stored(1, acc + 16, 128);
+    if (two) {
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    }
+    for (int m = 0; m < rows; m++) {
+        const __m512 lo = _mm512_load_ps(acc + m * 32), hi = _mm512_load_ps(acc + m * 32 + 16);
+        const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo); /* round to nearest even */
+        _mm512_storeu_si512((void *)(y + m * y_stride + 32 * p), (__m512i)v);
+    }
+}
+
+#define GROUP 8 /* pairs whose weights (2 KiB x K/32 each) stay in L2 while the chunks of x pass */
+
+/* Pairs [p0, p1) of one thread, all M rows. Decode (M <= 32): one pass, each weight
+ * read once from memory. Larger M (prefill): for each group of GROUP pairs, every
+ * 32-row chunk of x in turn, so the group's weights are read from memory once and
+ * from L2 after that. */
+static void run_pairs(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
+                      int64_t M, int64_t K, int64_t p0, int64_t p1) {
+    const int64_t KC = K / 32;
+    int cfg0 = -1, cfg1 = -1;
+    for (int64_t g = p0; g < p1; g += GROUP) {
+        const int64_t g1 = g + GROUP < p1 ? g + GROUP : p1;
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
+            const int rows0 = rows > 16 ? 16 : rows, rows1 = rows > 16 ? rows - 16 : 0;
+            if (rows0 != cfg0 || rows1 != cfg1) configure(cfg0 = rows0, cfg1 = rows1);
+            for (int64_t p = g; p < g1; p++)
+                pair_block(x + m0 * x_stride, x_stride, (const char *)(wp + p * KC * 1024), y + m0 * y_stride, y_stride,
+                           rows, KC, p);
+        }
+    }
+    _tile_release();
+}
+
+/* y[M, N] (rows `y_stride` apart) = x[M, K] (rows `x_stride` apart) . W^T, W packed by
+ * aserve_amx_pack. Returns 0, or -1 when the shape is not supported (M < 1, K or N not
+ * a multiple of 32). */
+int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
+                      int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M < 1 || K % 32 || N % 32) return -1;
+    const int64_t pairs = N / 32;
+    if (num_threads > pairs) num_threads = (int)pairs;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        run_pairs(x, x_stride, wp, y, y_stride, M, K, pairs * t / nt, pairs * (t + 1) / nt);
+    }
+    return 0;
+}

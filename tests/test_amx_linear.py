@@ -1,0 +1,95 @@
+"""The AMX bf16 linear kernel against float32 matmuls, and its place in the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aserve.kernels import amx_linear
+from aserve.model.layers.linear import ColumnParallelLinear, prepack_linears
+from aserve.distributed.tp_group import TPGroup
+
+pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (CI and dev machines do)")
+
+
+@pytest.fixture(scope="module")
+def amx():
+    loaded = amx_linear.load()
+    assert loaded is not None, "the kernel must build and get the tile state where the CPU has AMX"
+    return loaded
+
+
+@pytest.fixture
+def set_threads():
+    old = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(old)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # Float32 products and sums, rounded to bf16 once: what oneDNN computes too.
+    y = x.float() @ w.float().T
+    return (y if bias is None else y.bfloat16().float() + bias.float()).bfloat16()
+
+
+# Decode sizes (one row-tile or two, partial tiles), and prefill sizes that take
+# several 32-row chunks with a partial last one.
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("out_features,in_features", [(32, 32), (96, 160), (256, 64)])
+def test_matches_float32_matmul_to_one_bf16_rounding(amx, rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=g) * 0.1).bfloat16()
+    got = amx.linear(x, amx.pack(w), out_features)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    # The sums run in another order than the reference's: at most one bf16 rounding apart.
+    torch.testing.assert_close(got.float(), reference(x, w).float(), rtol=2**-7, atol=1e-3)
+
+
+def test_strided_rows_bias_and_threads_agree(amx, set_threads):
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(40, 256, generator=g).bfloat16()
+    x = wide[:, 64:192]  # rows 256 elements apart
+    w = (torch.randn(128, 128, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(128, generator=g).bfloat16()
+    packed = amx.pack(w)
+    set_threads(1)
+    one = amx.linear(x, packed, 128, bias)
+    set_threads(2)
+    two = amx.linear(x, packed, 128, bias)
+    # Each output block is summed by one thread in the same order, whatever the count.
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one.float(), reference(x, w, bias).float(), rtol=2**-7, atol=1e-2)
+
+
+def test_supports_only_bf16_sides_that_are_multiples_of_32(amx):
+    assert amx.supports(torch.zeros(64, 32, dtype=torch.bfloat16))
+    assert not amx.supports(torch.zeros(64, 32, dtype=torch.float32))
+    assert not amx.supports(torch.zeros(48, 32, dtype=torch.bfloat16))
+    assert not amx.supports(torch.zeros(64, 40, dtype=torch.bfloat16))
+
+
+def test_prepack_gives_eligible_layers_amx_and_keeps_one_weight_copy(amx):
+    tp = TPGroup.single()
+    model = torch.nn.ModuleList([
+        ColumnParallelLinear(64, [96], bias=True, tp=tp, dtype=torch.bfloat16),
+        ColumnParallelLinear(64, [40], bias=False, tp=tp, dtype=torch.bfloat16),  # 40 outputs: not tileable
+    ])
+    g = torch.Generator().manual_seed(3)
+    for layer in model:
+        layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=g) * 0.1)
+        if layer.bias is not None:
+            layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=g))
+    weights = [layer.weight.data.clone() for layer in model]
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    assert prepack_linears(model, amx) == 2
+    tiled, other = model
+    assert tiled.amx_weight is not None and tiled.packed_weight is None and tiled.weight.numel() == 0
+    assert other.amx_weight is None
+    torch.testing.assert_close(tiled(x).float(), reference(x, weights[0], tiled.bias).float(), rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(other(x).float(), reference(x, weights[1]).float(), rtol=2**-7, atol=1e-2)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("ASERVE_CPU_AMX", "0")
+    assert amx_linear.load() is None

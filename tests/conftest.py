@@ -21,3 +21,13 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def sharded_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model("llama", tmp_path_factory.mktemp("sharded") / "llama", shard=True)
+
+
+@pytest.fixture
+def set_threads():
+    """``torch.set_num_threads`` for the test; the count is restored after it."""
+    import torch
+
+    old = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(old)

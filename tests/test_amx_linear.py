@@ -19,12 +19,6 @@ def amx():
     return loaded
 
 
-@pytest.fixture
-def set_threads():
-    old = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(old)
-
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # Float32 products and sums, rounded to bf16 once: what oneDNN computes too.

@@ -16,13 +16,6 @@ def ops():
     return loaded
 
 
-@pytest.fixture
-def set_threads():
-    """``torch.set_num_threads`` for the test; the count is restored after it."""
-    old = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(old)
-
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # LlamaRMSNorm.forward, as transformers writes it.

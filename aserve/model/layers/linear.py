@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
-from aserve.kernels.amx_linear import AmxLinear
+from aserve.kernels.amx_linear import AmxLinear, huge_page_arena
 from aserve.model.layers.weights import TensorSource, check_shape, expect_full_shape, new_param
 
 
@@ -58,9 +58,9 @@ class _Linear(nn.Module):
             return torch.mm(x, self.transposed_weight) if bias is None else torch.addmm(bias, x, self.transposed_weight)
         return F.linear(x, self.weight, bias)
 
-    def use_amx(self, amx: AmxLinear) -> None:
+    def use_amx(self, amx: AmxLinear, out: torch.Tensor | None = None) -> None:
         self.amx, self.out_rows = amx, self.weight.shape[0]
-        self.amx_weight = amx.pack(self.weight.data)
+        self.amx_weight = amx.pack(self.weight.data, out)
         self._drop_plain_weight()
 
     def prepack(self) -> None:
@@ -89,10 +89,21 @@ def prepack_linears(model: nn.Module, amx: AmxLinear | None = None) -> int:
     if not layers or layers[0].weight.device.type != "cpu":
         return 0
     can_pack = _cpu_linear_packing_works(layers[0].weight.dtype)
+    tiled = [layer for layer in layers if amx is not None and amx.supports(layer.weight)]
+    if tiled:
+        assert amx is not None
+        # One huge-page arena for every tiled weight (see huge_page_arena); each weight
+        # starts on a cache line.
+        sizes = [-(-layer.weight.numel() // 32) * 32 for layer in tiled]
+        arena = huge_page_arena(sum(sizes))
+        offset = 0
+        for layer, size in zip(tiled, sizes):
+            layer.use_amx(amx, arena[offset : offset + layer.weight.numel()])
+            offset += size
     for layer in layers:
-        if amx is not None and amx.supports(layer.weight):
-            layer.use_amx(amx)
-        elif can_pack and _packing_pays(layer.weight):
+        if layer.amx_weight is not None:
+            continue
+        if can_pack and _packing_pays(layer.weight):
             layer.prepack()
         else:
             layer.transpose()

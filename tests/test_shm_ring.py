@@ -149,3 +149,31 @@ def test_blocked_writer_names_the_reader_behind(ring_names, caplog):
         slow.close()
         writer.close()
         ctx.term()
+
+
+def test_a_ring_appears_under_its_name_only_at_full_size(ring_names):
+    """A reader polling for the name must never open a segment still being created (an
+    empty file failed to map: a start-up race seen with the engine core attaching to a
+    worker's response ring)."""
+    from aserve.distributed.shm_ring import RingClosedError
+
+    ctx = zmq.Context()
+    with pytest.raises(RingClosedError):
+        make_reader(ring_names, 0, 1, ctx)  # not created yet: the retryable error
+    writer = make_writer(ring_names, 1, ctx)
+    try:
+        segment = f"/dev/shm/{ring_names[0]}"
+        assert os.path.getsize(segment) == writer.layout.size
+        assert [p for p in os.listdir("/dev/shm") if p.startswith(ring_names[0])] == [ring_names[0]]
+        with pytest.raises(FileExistsError):  # the name is taken exclusively, as O_EXCL took it
+            make_writer(ring_names, 1, ctx)
+        assert [p for p in os.listdir("/dev/shm") if p.startswith(ring_names[0])] == [ring_names[0]]
+        reader = make_reader(ring_names, 0, 1, ctx)
+        writer.wait_for_readers(timeout=10)
+        writer.write(b"hello")
+        assert reader.read(timeout=10) == b"hello"
+        reader.close()
+    finally:
+        writer.close()
+        ctx.term()
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(ring_names[0])]

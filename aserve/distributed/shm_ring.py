@@ -102,17 +102,28 @@ def _wait(ready: Callable[[], bool], deadline: float | None, on_slow: Callable[[
 
 
 class _Segment:
+    """A /dev/shm file mapped whole. ``create`` makes it under a temporary name, sizes
+    it, and only then links it to ``name`` (failing if that exists): a reader polling
+    for the name never opens a file that is still empty (it used to, now and then, and
+    failed to map it)."""
+
     def __init__(self, name: str, size: int, *, create: bool) -> None:
         self.name = name
         self.path = f"/dev/shm/{name}"
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        # The temporary name keeps the ring's prefix, so an instance's sweep of
+        # /dev/shm/<instance>_* also finds one left by a process killed in between.
+        path = f"{self.path}.{os.getpid()}.creating" if create else self.path
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
                 os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
+            if create:
+                os.link(path, self.path)  # FileExistsError, as O_EXCL gave before
         finally:
             os.close(fd)
+            if create:
+                os.unlink(path)
         self.buf = memoryview(self.map)
 
     def close(self) -> None:

@@ -56,10 +56,13 @@ class ModelRunner:
         # from an anonymous mapping: it reads as zeros, and the kernel commits a page
         # only when it is first written, so an idle pool costs no resident memory.
         shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
-        self._kv_mapping = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
-        # Huge pages: decode gathers touch every block of every running request each
-        # layer, and with 4 KiB pages the TLB misses cost more than the copies.
-        self._kv_mapping.madvise(mmap.MADV_HUGEPAGE)
+        # Private, not Python's default shared mapping: nothing else maps the pool, and
+        # a first write to a private page costs about a third less than to a shared
+        # (shmem) one (256 MiB: 57 against 88 ms here), which every new block pays.
+        # No huge pages: with MADV_HUGEPAGE the kernel compacts memory on those faults,
+        # and the prefill's KV writes took 2.4x as long (docs/performance.md).
+        self._kv_mapping = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size(),
+                                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
         self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
         if dtype in (torch.float32, torch.bfloat16):  # the pool is host memory: the CPU kernel applies

@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 
 from aserve.bench.datasets import SampleRequest
+from aserve.bench.http1 import Http1Client, Response
 
 
 @dataclass
@@ -77,12 +78,12 @@ def _body(cfg: LoadConfig, sample: SampleRequest) -> dict[str, Any]:
     return body
 
 
-async def _sse_lines(response: Any) -> Any:
-    """The stream's lines, split on b"\n" only: a server may put U+2028 or \x1c (which
-    ``str.splitlines`` and httpx's ``aiter_lines`` treat as line breaks) unescaped
-    inside a JSON string."""
+async def _sse_lines(chunks: Any) -> Any:
+    """The lines of a stream of byte chunks, split on b"\n" only: a server may put
+    U+2028 or \x1c (which ``str.splitlines`` and httpx's ``aiter_lines`` treat as line
+    breaks) unescaped inside a JSON string."""
     buffer = b""
-    async for chunk in response.aiter_bytes():
+    async for chunk in chunks:
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
@@ -92,6 +93,15 @@ async def _sse_lines(response: Any) -> Any:
 
 
 async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any) -> RequestResult:
+    """One request, failed (not raised) after ``cfg.timeout`` seconds in all."""
+    try:
+        with anyio.fail_after(cfg.timeout):
+            return await _stream_one(client, cfg, sample, tokenizer)
+    except TimeoutError:
+        return RequestResult(sample.prompt_len, error=f"no complete response within {cfg.timeout:g} s")
+
+
+async def _stream_one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any) -> RequestResult:
     result = RequestResult(sample.prompt_len)
     chat = cfg.endpoint.endswith("chat/completions")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -99,12 +109,13 @@ async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: A
     first_seen = False
     usage_tokens = None
     try:
-        async with client.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint, json=_body(cfg, sample),
-                                 headers=headers) as response:
+        async with client.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint,
+                                 content=json.dumps(_body(cfg, sample)).encode(), headers=headers) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            async for line in _sse_lines(response):
+            body = response.iter_bytes() if isinstance(response, Response) else response.aiter_bytes()
+            async for line in _sse_lines(body):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -152,8 +163,12 @@ async def run_load(cfg: LoadConfig, samples: list[SampleRequest], tokenizer: Any
     gate = anyio.Semaphore(limit)
     results: list[RequestResult | None] = [None] * len(samples)
     done = 0
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(http1=not cfg.http2, http2=cfg.http2, timeout=cfg.timeout, limits=limits) as client:
+    if cfg.http2 or not cfg.base_url.startswith("http://"):
+        limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+        client: Any = httpx.AsyncClient(http1=not cfg.http2, http2=cfg.http2, timeout=cfg.timeout, limits=limits)
+    else:
+        client = Http1Client(cfg.base_url)  # lean: the client shares the machine it measures
+    async with client:
         async def send(i: int) -> None:
             nonlocal done
             async with gate:

@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 client for the load generator's streamed POSTs over plain TCP.
 
-Why not httpx here: the load generator runs on the machine it measures, and a client
-that costs more CPU per streamed event than the server under test skews the result. On
-the 7M model at 32 streams (two cores shared by server and client), aserve read 1.2-1.4x
-vLLM with httpx driving both and 1.6-2.7x with vLLM's own aiohttp client. This client
+Why not httpx here: the load generator runs on the machine it measures, so its CPU per
+streamed event is taken from the server under test. On the 7M model at 32 streams (two
+cores shared by server and client), aserve read 1.2-1.4x vLLM with httpx driving both
+and 1.6-2.7x with vLLM's own aiohttp client. This client
 does only what the benchmark needs: keep-alive connections to one host, a POST with a
 JSON body, and the response body as it arrives (chunked or with a length). httpx stays
 in use for HTTP/2 and TLS.

@@ -68,7 +68,7 @@ async def test_chunked_and_sized_bodies_over_one_kept_alive_connection():
             async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", content=b'{"a": 1}',
                                      headers={"Authorization": "Bearer k"}) as response:
                 assert response.status_code == 200
-                assert [c async for c in response.iter_bytes()] == [b"hello", b", world"]
+                assert [c async for c in response.aiter_bytes()] == [b"hello", b", world"]
             async with client.stream("POST", f"http://127.0.0.1:{port}/x?y=1", content=b"{}") as response:
                 assert response.status_code == 404 and await response.aread() == b"not there"
         tg.cancel_scope.cancel()

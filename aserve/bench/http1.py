@@ -46,7 +46,8 @@ class _Connection:
 
 
 class Response:
-    """A response whose body is read as it arrives (:meth:`iter_bytes`, once)."""
+    """A response whose body is read as it arrives (:meth:`aiter_bytes`, once; the
+    names are httpx's, so the load generator reads both clients' responses alike)."""
 
     def __init__(self, conn: _Connection, status: int, headers: dict[bytes, bytes]) -> None:
         self._conn = conn
@@ -56,7 +57,7 @@ class Response:
         self._length = int(headers.get(b"content-length", b"0"))
         self.complete = False  # the whole body was read: the connection can be reused
 
-    async def iter_bytes(self) -> AsyncIterator[bytes]:
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
         conn = self._conn
         if self._chunked:
             while True:
@@ -73,7 +74,7 @@ class Response:
         self.complete = True
 
     async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self.iter_bytes()])
+        return b"".join([chunk async for chunk in self.aiter_bytes()])
 
 
 class Http1Client:

@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 
 from aserve.bench.datasets import SampleRequest
-from aserve.bench.http1 import Http1Client, Response
+from aserve.bench.http1 import Http1Client
 
 
 @dataclass
@@ -114,8 +114,7 @@ async def _stream_one(client: Any, cfg: LoadConfig, sample: SampleRequest, token
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
-            body = response.iter_bytes() if isinstance(response, Response) else response.aiter_bytes()
-            async for line in _sse_lines(body):
+            async for line in _sse_lines(response.aiter_bytes()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -43,12 +43,12 @@ class _Linear(nn.Module):
     bias: nn.Parameter | None
     amx: AmxLinear | None = None
     amx_weight: torch.Tensor | None = None  # the tiled copy amx.pack made
+    out_rows: int = 0  # output features, kept once the plain weight is dropped
     packed_weight: torch.Tensor | None = None
     transposed_weight: torch.Tensor | None = None  # [in, out], contiguous
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.amx_weight is not None:
-            assert self.amx is not None
+        if self.amx is not None:
             # x is [T, in]: the model flattens its batch to tokens.
             return self.amx.linear(x, self.amx_weight, self.out_rows, bias)
         if self.packed_weight is not None:
@@ -90,18 +90,17 @@ def prepack_linears(model: nn.Module, amx: AmxLinear | None = None) -> int:
         return 0
     can_pack = _cpu_linear_packing_works(layers[0].weight.dtype)
     tiled = [layer for layer in layers if amx is not None and amx.supports(layer.weight)]
-    if tiled:
-        assert amx is not None
-        # One huge-page arena for every tiled weight (see huge_page_arena); each weight
-        # starts on a cache line.
-        sizes = [-(-layer.weight.numel() // 32) * 32 for layer in tiled]
-        arena = huge_page_arena(sum(sizes))
+    if amx is not None and tiled:
+        # One huge-page arena for every tiled weight (see huge_page_arena); sides that
+        # are multiples of 32 start each weight 2 KiB-aligned.
+        arena = huge_page_arena(sum(layer.weight.numel() for layer in tiled))
         offset = 0
-        for layer, size in zip(tiled, sizes):
-            layer.use_amx(amx, arena[offset : offset + layer.weight.numel()])
-            offset += size
+        for layer in tiled:
+            numel = layer.weight.numel()
+            layer.use_amx(amx, arena[offset : offset + numel])
+            offset += numel
     for layer in layers:
-        if layer.amx_weight is not None:
+        if layer.amx is not None:
             continue
         if can_pack and _packing_pays(layer.weight):
             layer.prepack()

@@ -88,3 +88,25 @@ def test_prompt_logprobs_requests_skip_the_cache():
     req = Request(EngineCoreRequest("b", list(range(9)), SamplingParams(prompt_logprobs=1)), max_model_len=100)
     req.update_block_hashes(4)
     assert kv.find_cached_prefix(req) == []
+
+
+def test_freed_blocks_without_a_hash_are_reused_before_untouched_ones():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    a = make_request("a", list(range(10)))  # two full blocks and a partial one
+    assert kv.allocate(a, 10) == [1, 2, 3]
+    kv.free(a)
+    b = make_request("b", list(range(100, 104)))
+    # The partial block 3 is reused; untouched blocks 4.. stay untouched.
+    assert kv.allocate(b, 4) == [3]
+    # a's full blocks are still cached, and the next allocation takes an untouched block.
+    c = make_request("c", list(range(200, 204)))
+    assert kv.allocate(c, 4) == [4]
+    assert [blk.block_id for blk in kv.find_cached_prefix(make_request("d", list(range(9))))] == [1, 2]
+
+
+def test_without_prefix_caching_freed_blocks_are_reused_first():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    for i in range(5):
+        req = make_request(f"r{i}", list(range(12)))
+        assert kv.allocate(req, 12) == [1, 2, 3]
+        kv.free(req)

@@ -10,8 +10,12 @@ Block lifecycle::
 
 Free blocks sit in one LRU queue; a hashed block in it can still be hit by a new
 request until it is handed out again. A request's blocks are freed tail first so its
-last blocks, the least likely to be shared, are evicted first. Block 0 is reserved
-(always zero in the cache tensors) and never handed out.
+last blocks, the least likely to be shared, are evicted first. A freed block without a
+hash (a request's partial last block, or a duplicate of a block already cached) holds
+nothing anyone can hit, so it goes to the front of the queue and is handed out before
+blocks never used yet: the worker commits the KV pool's pages lazily, on first write,
+and reusing such blocks keeps that resident set near what requests hold plus what is
+cached. Block 0 is reserved (always zero in the cache tensors) and never handed out.
 """
 
 from __future__ import annotations
@@ -74,11 +78,14 @@ class BlockPool:
             block.ref_cnt += 1
 
     def release(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference; blocks no longer used join the end of the LRU queue."""
+        """Drop a reference. A block no longer used joins the end of the LRU queue if it
+        is cached, and its front if not (see the module docstring)."""
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     def register(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Make a full block findable by its hash (the first block with a hash wins)."""

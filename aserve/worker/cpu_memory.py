@@ -40,3 +40,16 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.debug("could not tune malloc; large temporaries will be page-faulted in every step")
     return ok
+
+
+def release_free_memory() -> bool:
+    """Give the heap's free pages back to the kernel now (``malloc_trim(0)``); returns
+    whether it could. Called once after loading: the weights were read into heap
+    tensors and then copied into their packed form, and with :func:`keep_freed_memory`'s
+    thresholds the freed originals (a model's size) would stay resident for good."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

@@ -22,7 +22,7 @@ from aserve.kernels.cpu_fused_ops import load as load_fused_ops
 from aserve.launch.process_utils import ProgressBar
 from aserve.model.layers.linear import prepack_linears
 from aserve.model.loader import load_model, resolve_dtype
-from aserve.worker.cpu_memory import keep_freed_memory
+from aserve.worker.cpu_memory import keep_freed_memory, release_free_memory
 from aserve.worker.kv_spec import local_kv_heads
 from aserve.worker.model_runner import ModelRunner
 
@@ -45,6 +45,8 @@ class Worker:
             fused = load_fused_ops()
             if fused is not None:
                 attach_fused_ops(model, fused)
+        if on_cpu:
+            release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed)
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(

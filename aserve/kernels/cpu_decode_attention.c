@@ -239,8 +239,14 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
         const int64_t n = L - c0 < CHUNK ? L - c0 : CHUNK;
         /* Two groups past the chunk too, for prefetching (clamped to the sequence). */
         const int64_t n_ahead = L - c0 < CHUNK + 32 ? L - c0 : CHUNK + 32;
-        for (int64_t t = 0, pos = c0; t < n_ahead; t++, pos++)
-            row[t] = (table[pos / bs] * a->kv_stride_block + (pos % bs) * a->kv_stride_token + hk0 * a->kv_stride_head) * elt;
+        /* One division per block, not per token (bs is not a compile-time constant:
+           7M model, 32 rows: 250 -> 212 us a layer). */
+        for (int64_t t = 0, pos = c0; t < n_ahead;) {
+            const int64_t first = pos % bs;
+            const int64_t base = table[pos / bs] * a->kv_stride_block + hk0 * a->kv_stride_head;
+            for (int64_t o = first; o < bs && t < n_ahead; o++, t++, pos++)
+                row[t] = (base + o * a->kv_stride_token) * elt;
+        }
         /* Scores, 16 tokens at a time, every head of the task: each group's rows are read
            in memory order, and the group after next is prefetched (a new block is
            usually on another page, where the hardware prefetcher stops), a head's lines

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from aserve.kernels import amx_linear
+from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.model.layers.linear import ColumnParallelLinear, prepack_linears
 from aserve.distributed.tp_group import TPGroup
 
@@ -29,7 +30,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
 # Decode sizes (one row-tile or two, partial tiles), and prefill sizes that take
 # several 32-row chunks with a partial last one.
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 100])
-@pytest.mark.parametrize("out_features,in_features", [(32, 32), (96, 160), (256, 64)])
+@pytest.mark.parametrize("out_features,in_features", [(32, 32), (96, 160), (256, 64), (427, 64), (5, 32)])
 def test_matches_float32_matmul_to_one_bf16_rounding(amx, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g).bfloat16()
@@ -56,10 +57,11 @@ def test_strided_rows_bias_and_threads_agree(amx, set_threads):
     torch.testing.assert_close(one.float(), reference(x, w, bias).float(), rtol=2**-7, atol=1e-2)
 
 
-def test_supports_only_bf16_sides_that_are_multiples_of_32(amx):
+def test_supports_bf16_weights_whose_input_side_is_a_multiple_of_32(amx):
     assert amx.supports(torch.zeros(64, 32, dtype=torch.bfloat16))
+    assert amx.supports(torch.zeros(48, 32, dtype=torch.bfloat16))  # outputs padded to 64
+    assert amx.packed_numel(torch.zeros(48, 32, dtype=torch.bfloat16)) == 64 * 32
     assert not amx.supports(torch.zeros(64, 32, dtype=torch.float32))
-    assert not amx.supports(torch.zeros(48, 32, dtype=torch.bfloat16))
     assert not amx.supports(torch.zeros(64, 40, dtype=torch.bfloat16))
 
 
@@ -67,7 +69,8 @@ def test_prepack_gives_eligible_layers_amx_and_keeps_one_weight_copy(amx):
     tp = TPGroup.single()
     model = torch.nn.ModuleList([
         ColumnParallelLinear(64, [96], bias=True, tp=tp, dtype=torch.bfloat16),
-        ColumnParallelLinear(64, [40], bias=False, tp=tp, dtype=torch.bfloat16),  # 40 outputs: not tileable
+        ColumnParallelLinear(40, [64], bias=False, tp=tp, dtype=torch.bfloat16),  # 40 inputs: not tileable
+        ColumnParallelLinear(64, [40], bias=True, tp=tp, dtype=torch.bfloat16),  # 40 outputs: padded to 64
     ])
     g = torch.Generator().manual_seed(3)
     for layer in model:
@@ -76,12 +79,40 @@ def test_prepack_gives_eligible_layers_amx_and_keeps_one_weight_copy(amx):
             layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=g))
     weights = [layer.weight.data.clone() for layer in model]
     x = torch.randn(3, 64, generator=g).bfloat16()
-    assert prepack_linears(model, amx) == 2
-    tiled, other = model
+    assert prepack_linears(model, amx) == 3
+    tiled, other, padded = model
     assert tiled.amx_weight is not None and tiled.packed_weight is None and tiled.weight.numel() == 0
     assert other.amx_weight is None
+    assert padded.amx_weight is not None and padded.amx_weight.numel() == 64 * 64
     torch.testing.assert_close(tiled(x).float(), reference(x, weights[0], tiled.bias).float(), rtol=2**-7, atol=1e-2)
-    torch.testing.assert_close(other(x).float(), reference(x, weights[1]).float(), rtol=2**-7, atol=1e-2)
+    x40 = torch.randn(3, 40, generator=g).bfloat16()
+    torch.testing.assert_close(other(x40).float(), reference(x40, weights[1]).float(), rtol=2**-7, atol=1e-2)
+    out = padded(x)
+    assert out.shape == (3, 40)
+    torch.testing.assert_close(out.float(), reference(x, weights[2], padded.bias).float(), rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_takes_the_kernel_unless_tied_to_the_embedding(amx, tied):
+    tp = TPGroup.single()
+    model = torch.nn.Module()
+    model.embed = VocabParallelEmbedding(427, 64, tp=tp, dtype=torch.bfloat16)
+    model.head = ParallelLMHead(427, 64, tp=tp, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    model.embed.weight.data.copy_(torch.randn(427, 64, generator=g) * 0.1)
+    if tied:
+        model.head.weight = model.embed.weight
+    else:
+        model.head.weight.data.copy_(torch.randn(427, 64, generator=g) * 0.1)
+    weight = model.head.weight.data.clone()
+    prepack_linears(model, amx)
+    # A tied head keeps the one weight the embedding also reads.
+    assert (model.head.amx_weight is None) == tied
+    assert model.embed.weight.numel() == 427 * 64
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    logits = model.head(x)
+    assert logits.shape == (4, 427)
+    torch.testing.assert_close(logits.float(), reference(x, weight).float(), rtol=2**-7, atol=1e-2)
 
 
 def test_switched_off_by_the_environment(monkeypatch):

@@ -42,34 +42,51 @@ class AmxLinear:
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
-        """Whether ``weight`` ([out, in], bf16, on CPU) has the shape the tiles need."""
+        """Whether ``weight`` ([out, in], bf16, on CPU) can be tiled: ``in`` a multiple
+        of 32. Any ``out`` can: :meth:`pack` pads it with zero rows to a multiple of 32."""
         return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-                and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and weight.stride(1) == 1)
+                and weight.shape[0] > 0 and weight.shape[1] % 32 == 0 and weight.stride(1) == 1)
+
+    @staticmethod
+    def packed_numel(weight: torch.Tensor) -> int:
+        """Elements of :meth:`pack`'s copy: ``out`` rounded up to 32, times ``in``."""
+        return -(-weight.shape[0] // 32) * 32 * weight.shape[1]
 
     def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tiled copy of ``weight`` (see the C file for the layout), same numel;
-        written into ``out`` (1-D bf16, contiguous) when given, e.g. a slice of
-        :func:`huge_page_arena`."""
+        """The tiled copy of ``weight`` (see the C file for the layout), of
+        :meth:`packed_numel` elements; written into ``out`` (1-D bf16, contiguous) when
+        given, e.g. a slice of :func:`huge_page_arena`."""
         assert self.supports(weight)
+        numel = self.packed_numel(weight)
         if out is None:
-            out = torch.empty(weight.numel(), dtype=torch.bfloat16)
-        assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.numel() == weight.numel()
-        self._pack(weight.data_ptr(), weight.stride(0), out.data_ptr(), weight.shape[0], weight.shape[1])
+            out = torch.empty(numel, dtype=torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.numel() == numel
+        rows, cols = weight.shape
+        if rows % 32:
+            # Zero rows up to the next tile pair: their outputs are computed and dropped.
+            padded = torch.zeros(numel // cols, cols, dtype=torch.bfloat16)
+            padded[:rows] = weight
+            weight = padded
+        self._pack(weight.data_ptr(), weight.stride(0), out.data_ptr(), weight.shape[0], cols)
         return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W^T (+ bias)`` for ``x`` [rows, in] bf16 (rows may be strided) and W's
-        :meth:`pack` ed copy; returns a new [rows, out_features] tensor."""
+        :meth:`pack` ed copy; returns a new [rows, out_features] tensor (a view of
+        rows ``out_features`` rounded up to 32 apart when W was padded)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows, in_features = x.shape
-        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        width = -(-out_features // 32) * 32
+        y = torch.empty(rows, width, dtype=torch.bfloat16)
         if rows:
-            code = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), out_features, rows,
-                                out_features, in_features, torch.get_num_threads())
+            code = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), width, rows,
+                                width, in_features, torch.get_num_threads())
             if code != 0:
                 raise ValueError(f"AMX linear: unsupported shape [{rows}, {in_features}] x [{out_features}, {in_features}]")
+        if width != out_features:
+            y = y[:, :out_features]
         return y if bias is None else y.add_(bias)
 
 

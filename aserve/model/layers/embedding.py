@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
+from aserve.model.layers.linear import PackedMatmul
 from aserve.model.layers.weights import TensorSource, check_shape, expect_full_shape, new_param
 
 
@@ -52,13 +53,17 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackedMatmul, VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary, on every rank.
 
-    With tied embeddings the model points ``weight`` at the embedding's parameter.
+    With tied embeddings the model points ``weight`` at the embedding's parameter, and
+    the head keeps using it as is; an untied head gets the linear layers' fast weight
+    layouts from :func:`~aserve.model.layers.linear.prepack_linears`.
     """
+
+    bias = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # hidden: [N, hidden] -> logits [N, vocab]
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(self._matmul(hidden, None))
         return logits[..., : self.vocab_size]

@@ -32,12 +32,15 @@ def _cpu_linear_packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
-class _Linear(nn.Module):
-    """Shared forward: ``F.linear`` until :func:`prepack_linears` picks a faster form
-    for CPU: bf16 on AMX tiles (:mod:`aserve.kernels.amx_linear`), oneDNN on a
-    prepacked weight (about 1.5x faster than ``F.linear`` at decode batch sizes, where
+class PackedMatmul:
+    """``x W^T``: ``F.linear`` until :func:`prepack_linears` picks a faster form for
+    CPU: bf16 on AMX tiles (:mod:`aserve.kernels.amx_linear`), oneDNN on a prepacked
+    weight (about 1.5x faster than ``F.linear`` at decode batch sizes, where
     ``F.linear`` would reorder a bf16 weight into oneDNN's blocked layout on every
-    call), or, for small float32 weights, MKL on a transposed copy."""
+    call), or, for small float32 weights, MKL on a transposed copy.
+
+    Mixed into the linear layers and the LM head; the class it is mixed into provides
+    ``weight`` ([out, in]) and ``bias``."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
@@ -76,27 +79,37 @@ class _Linear(nn.Module):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
 
+class _Linear(PackedMatmul, nn.Module):
+    """Base of the tensor-parallel linear layers."""
+
+
 def prepack_linears(model: nn.Module, amx: AmxLinear | None = None) -> int:
     """Give every tensor-parallel linear of a CPU model its fastest weight layout;
     returns how many changed.
 
-    bf16 weights whose sides are multiples of 32 go to ``amx`` when given; other large
-    weights (and every other bf16 one) are prepacked for oneDNN where oneDNN can; small
-    float32 weights are stored transposed for MKL (see :func:`_packing_pays`). Call it
-    after the weights are loaded: changed layers no longer accept weight loading.
+    bf16 weights whose input side is a multiple of 32 go to ``amx`` when given (the
+    output side is padded to 32); other large weights (and every other bf16 one) are
+    prepacked for oneDNN where oneDNN can; small float32 weights are stored transposed
+    for MKL (see :func:`_packing_pays`). A weight another module also uses (an LM head
+    tied to the embedding) keeps its plain layout: a packed copy would be a second
+    one. Call it after the weights are loaded: changed layers no longer accept weight
+    loading.
     """
-    layers = [m for m in model.modules() if isinstance(m, _Linear)]
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    layers = [m for m in model.modules() if isinstance(m, PackedMatmul) and uses.get(id(m.weight)) == 1]
     if not layers or layers[0].weight.device.type != "cpu":
         return 0
     can_pack = _cpu_linear_packing_works(layers[0].weight.dtype)
     tiled = [layer for layer in layers if amx is not None and amx.supports(layer.weight)]
     if amx is not None and tiled:
         # One huge-page arena for every tiled weight (see huge_page_arena); sides that
-        # are multiples of 32 start each weight 2 KiB-aligned.
-        arena = huge_page_arena(sum(layer.weight.numel() for layer in tiled))
+        # are (padded to) multiples of 32 start each weight 2 KiB-aligned.
+        arena = huge_page_arena(sum(amx.packed_numel(layer.weight) for layer in tiled))
         offset = 0
         for layer in tiled:
-            numel = layer.weight.numel()
+            numel = amx.packed_numel(layer.weight)
             layer.use_amx(amx, arena[offset : offset + numel])
             offset += numel
     for layer in layers:

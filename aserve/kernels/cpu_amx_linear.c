@@ -2,7 +2,8 @@
  * decode-sized batches and as fast as oneDNN at prefill sizes.
  *
  * y[M, N] = x[M, K] . W[N, K]^T for K and N multiples of 32, bf16 in and out, float32
- * accumulation (one rounding at the end, as oneDNN and torch do).
+ * accumulation (one rounding at the end, as oneDNN and torch do). amx_linear.py pads
+ * any other N with zero rows of W before packing.
  *
  * Why: at decode batch sizes a linear layer reads each weight once and does 32 (or
  * fewer) multiply-adds with it, so its time is the time to stream the weights from

@@ -40,6 +40,8 @@ def reference(q, keys, values, block_table, seq_lens, scale):
     (4, 6, 3, 32, 16),     # a head_dim without its own specialisation
     (2, 126, 3, 32, 16),   # more query heads than one task holds: split by KV heads
     (3, 4, 2, 48, 16),     # head_dim not a multiple of 32: the portable C loop, not AVX-512
+    (2, 16, 2, 32, 16),    # 8 query heads per KV head, taken in one group
+    (3, 3, 1, 64, 16),     # 3 query heads per KV head: groups of one
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, threads):

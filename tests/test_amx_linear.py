@@ -93,7 +93,7 @@ def test_prepack_gives_eligible_layers_amx_and_keeps_one_weight_copy(amx):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_lm_head_takes_the_kernel_unless_tied_to_the_embedding(amx, tied):
+def test_lm_head_takes_the_kernel_and_a_tied_one_keeps_the_embeddings_weight(amx, tied):
     tp = TPGroup.single()
     model = torch.nn.Module()
     model.embed = VocabParallelEmbedding(427, 64, tp=tp, dtype=torch.bfloat16)
@@ -106,13 +106,16 @@ def test_lm_head_takes_the_kernel_unless_tied_to_the_embedding(amx, tied):
         model.head.weight.data.copy_(torch.randn(427, 64, generator=g) * 0.1)
     weight = model.head.weight.data.clone()
     prepack_linears(model, amx)
-    # A tied head keeps the one weight the embedding also reads.
-    assert (model.head.amx_weight is None) == tied
+    assert model.head.amx_weight is not None
+    # A tied head keeps the plain weight the embedding reads; an untied one drops its own.
     assert model.embed.weight.numel() == 427 * 64
+    assert model.head.weight.numel() == (427 * 64 if tied else 0)
     x = torch.randn(4, 64, generator=g).bfloat16()
     logits = model.head(x)
     assert logits.shape == (4, 427)
     torch.testing.assert_close(logits.float(), reference(x, weight).float(), rtol=2**-7, atol=1e-2)
+    ids = torch.tensor([0, 5, 426])
+    assert torch.equal(model.embed(ids), model.embed.weight[ids])
 
 
 def test_switched_off_by_the_environment(monkeypatch):

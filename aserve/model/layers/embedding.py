@@ -56,9 +56,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(PackedMatmul, VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary, on every rank.
 
-    With tied embeddings the model points ``weight`` at the embedding's parameter, and
-    the head keeps using it as is; an untied head gets the linear layers' fast weight
-    layouts from :func:`~aserve.model.layers.linear.prepack_linears`.
+    With tied embeddings the model points ``weight`` at the embedding's parameter. Either
+    way the head gets the linear layers' fast weight layouts from
+    :func:`~aserve.model.layers.linear.prepack_linears`; a tied one as a second copy.
     """
 
     bias = None

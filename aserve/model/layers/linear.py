@@ -87,8 +87,8 @@ class _Linear(PackedMatmul, nn.Module):
 
 
 def prepack_linears(model: nn.Module, amx: AmxLinear | None = None) -> int:
-    """Give every tensor-parallel linear of a CPU model its fastest weight layout;
-    returns how many changed.
+    """Give every tensor-parallel linear of a CPU model, and its LM head, its fastest
+    weight layout; returns how many layers it saw.
 
     bf16 weights whose input side is a multiple of 32 go to ``amx`` when given (the
     output side is padded to 32); other large weights (and every other bf16 one) are

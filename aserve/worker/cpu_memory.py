@@ -28,12 +28,16 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
 
 
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL("libc.so.6")  # OSError without glibc
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this whole process; returns whether
     it could (False without glibc). The cost is resident memory: up to the peak of one
     step's temporaries stays allocated between steps, as with vLLM's tcmalloc."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        libc = _libc()
         ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     except (OSError, AttributeError):
         ok = False
@@ -48,8 +52,7 @@ def release_free_memory() -> bool:
     tensors and then copied into their packed form, and with :func:`keep_freed_memory`'s
     thresholds the freed originals (a model's size) would stay resident for good."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):
         return False
     return True

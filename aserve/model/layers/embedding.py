@@ -61,8 +61,6 @@ class ParallelLMHead(PackedMatmul, VocabParallelEmbedding):
     :func:`~aserve.model.layers.linear.prepack_linears`; a tied one as a second copy.
     """
 
-    bias = None
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # hidden: [N, hidden] -> logits [N, vocab]
         logits = self.tp.all_gather_last_dim(self._matmul(hidden, None))

@@ -40,10 +40,9 @@ class PackedMatmul:
     call), or, for small float32 weights, MKL on a transposed copy.
 
     Mixed into the linear layers and the LM head; the class it is mixed into provides
-    ``weight`` ([out, in]) and ``bias``."""
+    ``weight`` ([out, in]). A bias is the caller's to pass."""
 
     weight: nn.Parameter
-    bias: nn.Parameter | None
     amx: AmxLinear | None = None
     amx_weight: torch.Tensor | None = None  # the tiled copy amx.pack made
     out_rows: int = 0  # output features, kept once the plain weight is dropped
@@ -84,6 +83,8 @@ class PackedMatmul:
 
 class _Linear(PackedMatmul, nn.Module):
     """Base of the tensor-parallel linear layers."""
+
+    bias: nn.Parameter | None
 
 
 def prepack_linears(model: nn.Module, amx: AmxLinear | None = None) -> int:

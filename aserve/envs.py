@@ -1,15 +1,16 @@
 """The few environment variables aserve reads, typed, in one place.
 
-==========================  ===================================================  =======================
-variable                    meaning                                              default
-==========================  ===================================================  =======================
-``ASERVE_CACHE_DIR``        where the default model and C kernels are built      ``~/.cache/aserve``
-``ASERVE_LOG_LEVEL``        log level of aserve's loggers                        ``INFO``
-``ASERVE_CPU_ATTENTION``    ``sdpa``: no C decode-attention kernel               ``kernel``
-``ASERVE_CPU_FUSED_OPS``    ``0``: no C RMSNorm / SiLU / rotary kernels          ``1``
-``ASERVE_CPU_AMX``          ``0``: bf16 linear layers on oneDNN, not AMX tiles    ``1``
-``ASERVE_DP_SECRET``        shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
-==========================  ===================================================  =======================
+===========================  ===================================================  =======================
+variable                     meaning                                              default
+===========================  ===================================================  =======================
+``ASERVE_CACHE_DIR``         where the default model and C kernels are built      ``~/.cache/aserve``
+``ASERVE_LOG_LEVEL``         log level of aserve's loggers                        ``INFO``
+``ASERVE_CPU_ATTENTION``     ``sdpa``: no C decode-attention kernel               ``kernel``
+``ASERVE_CPU_FUSED_OPS``     ``0``: no C RMSNorm / SiLU / rotary kernels          ``1``
+``ASERVE_CPU_AMX``           ``0``: bf16 linear layers on oneDNN, not AMX tiles   ``1``
+``ASERVE_CPU_FUSED_DECODE``  ``0``: decode steps call each layer's kernels apart  ``1``
+``ASERVE_DP_SECRET``         shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
+===========================  ===================================================  =======================
 
 Read them through :func:`read_env`, once, at the edge (the CLI or a constructor), and
 pass the values on explicitly.
@@ -30,6 +31,7 @@ class Env:
     cpu_attention: str = "kernel"
     cpu_fused_ops: bool = True
     cpu_amx: bool = True
+    cpu_fused_decode: bool = True
 
 
 def read_env(environ: dict[str, str] | None = None) -> Env:
@@ -42,4 +44,5 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         cpu_attention=environ.get("ASERVE_CPU_ATTENTION", "kernel").lower(),
         cpu_fused_ops=environ.get("ASERVE_CPU_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off"),
         cpu_amx=environ.get("ASERVE_CPU_AMX", "1").lower() not in ("0", "false", "no", "off"),
+        cpu_fused_decode=environ.get("ASERVE_CPU_FUSED_DECODE", "1").lower() not in ("0", "false", "no", "off"),
     )

@@ -47,8 +47,10 @@ def build(source_path: Path, cache_dir: Path, what: str) -> Path | None:
     if compiler is None:
         logger.warning("no C compiler found: %s uses the slower plain-torch path", what)
         return None
-    # The key covers the headers beside the source (the kernels share cpu_kernels.h).
-    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    # The key covers the files beside the source: the kernels share cpu_kernels.h, and
+    # cpu_llama_decode.c compiles the others into its library.
+    siblings = sorted(p for p in source_path.parent.iterdir() if p.suffix in (".c", ".h") and p != source_path)
+    source = source_path.read_bytes() + b"".join(p.read_bytes() for p in siblings)
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_key().encode()).hexdigest()[:16]
     target = cache_dir / f"{source_path.stem}_{key}.so"
     if target.is_file():

@@ -19,6 +19,7 @@ from aserve.model.hf_config import load_arch_config
 from aserve.kernels.amx_linear import load as load_amx_linear
 from aserve.kernels.cpu_fused_ops import attach as attach_fused_ops
 from aserve.kernels.cpu_fused_ops import load as load_fused_ops
+from aserve.kernels.llama_decode import load as load_decode_stack
 from aserve.launch.process_utils import ProgressBar
 from aserve.model.layers.linear import prepack_linears
 from aserve.model.loader import load_model, resolve_dtype
@@ -45,6 +46,12 @@ class Worker:
             fused = load_fused_ops()
             if fused is not None:
                 attach_fused_ops(model, fused)
+                # Decode steps through every layer in one C call, where the model's
+                # layers allow it (bf16 on AMX, one rank; aserve/kernels/llama_decode.py).
+                if self.dtype == torch.bfloat16 and tp.size == 1 and hasattr(model, "attach_decode_stack"):
+                    kernel = load_decode_stack()
+                    if kernel is not None:
+                        model.attach_decode_stack(kernel)
         if on_cpu:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed)

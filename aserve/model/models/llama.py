@@ -23,6 +23,7 @@ from torch import nn
 from aserve.distributed.tp_group import TPGroup
 from aserve.kernels.attention import AttentionMetadata, LayerKV
 from aserve.kernels.cpu_fused_ops import FusedOps
+from aserve.kernels.llama_decode import DecodeStack, LayerTensors, LlamaDecodeKernel, StackDims
 from aserve.model.hf_config import ArchConfig
 from aserve.model.layers.attention import Attention
 from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -111,6 +112,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    #: Every layer of a decode step in one C call (:meth:`attach_decode_stack`), when it applies.
+    decode_stack: DecodeStack | None = None
+
     def __init__(self, cfg: ArchConfig, layer_class: type[LlamaDecoderLayer], max_positions: int, *, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
@@ -119,9 +123,51 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layer_class(cfg, rotary, tp=tp, dtype=dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
+    def attach_decode_stack(self, kernel: LlamaDecodeKernel) -> bool:
+        """Run decode steps through ``kernel`` (one C call for every layer) if this
+        model's layers are exactly what it computes: plain Llama layers (no biases, no
+        q/k norm), one tensor-parallel rank, every linear on AMX, the C norm, rotary and
+        SiLU kernels attached. Returns whether it was attached."""
+        layers = list(self.layers)
+        if not layers or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
+            return False
+        tensors = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
+                    or type(mlp).forward is not LlamaMLP.forward or attn.use_qk_norm or attn.rotary is not self.rotary
+                    or any(lin.amx is None or lin.bias is not None or lin.tp.size != 1 for lin in linears)
+                    or mlp.fused_ops is None
+                    or any(n.fused_ops is None for n in (layer.input_layernorm, layer.post_attention_layernorm))):
+                return False
+            tensors.append(LayerTensors(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                                        attn.qkv_proj.amx_weight, attn.o_proj.amx_weight, mlp.gate_up_proj.amx_weight,
+                                        mlp.down_proj.amx_weight))
+        first = layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        norms = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+        if len(norms) != 1:
+            return False
+        width = lambda lin: -(-lin.out_rows // 32) * 32  # noqa: E731 - the packed output's row width
+        self.decode_stack = kernel.stack(tensors, StackDims(
+            hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, intermediate=mlp.gate_up_proj.out_rows // 2, qkv_width=width(attn.qkv_proj),
+            o_width=width(attn.o_proj), gate_up_width=width(mlp.gate_up_proj), down_width=width(mlp.down_proj),
+            eps=norms.pop(), scale=attn.attn.scale,
+        ))
+        return True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.gather(positions)  # once for all layers
+        if (self.decode_stack is not None and not meta.prefills and meta.decode_kernel is not None
+                and meta.decode_block_table is not None and meta.decode_seq_lens is not None
+                and x.dtype == torch.bfloat16):
+            # Decode rows only: every layer in one C call, bit-identical to the loop below.
+            x, residual = self.decode_stack.run(x, rope[0], rope[1], [kv.paged for kv in kv_caches],
+                                                meta.decode_block_table, meta.decode_seq_lens)
+            return self.norm(x, residual)[0]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv_cache, meta)
@@ -161,6 +207,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def attach_decode_stack(self, kernel: LlamaDecodeKernel) -> bool:
+        """See :meth:`LlamaModel.attach_decode_stack`."""
+        return self.model.attach_decode_stack(kernel)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,94 @@
+/* A decode step of a Llama-family model's decoder layers in one call (CPU, bf16, AMX).
+ *
+ * Why: on a small model a decode step's kernels are short (7M model, 32 rows: ~40
+ * kernel calls of 10-60 us each), and calling each from Python (module dispatch, views,
+ * output allocation, ctypes argument conversion) cost about a third of the step. Here
+ * the whole stack of layers runs from C, calling the same kernels in the same order with
+ * the same thread count, so the result is bit-identical to the layer-by-layer path:
+ *
+ *   per layer:  h, residual = RMSNorm(x + residual)          (first layer: residual = x)
+ *               qkv = h . Wqkv^T;  rotary(q, k)
+ *               attn = decode attention over the paged cache (writes k, v into it)
+ *               h, residual = RMSNorm(attn . Wo^T + residual)
+ *               x = silu(h . Wgate^T) * (h . Wup^T) . Wdown^T
+ *
+ * and the caller applies the final norm to (x, residual). Only for what the layer-by-
+ * layer path would run on the same kernels: bf16 weights packed for AMX, no biases, no
+ * per-head q/k norm, one tensor-parallel rank (no all-reduce inside a layer), decode rows
+ * only (aserve/kernels/llama_decode.py checks).
+ *
+ * The kernels are compiled into this library from their own files (built by
+ * aserve/kernels/cbuild.py, whose cache key covers them).
+ */
+#include "cpu_amx_linear.c"
+#include "cpu_fused_ops.c"
+#include "cpu_decode_attention.c"
+
+/* One layer: its weights and its KV cache (built once, kept by the caller). */
+typedef struct {
+    const uint16_t *input_norm, *post_norm;            /* [H] */
+    const uint16_t *w_qkv, *w_o, *w_gate_up, *w_down;  /* AMX-packed */
+    void *k_cache, *v_cache;                           /* [blocks, block_size, Hk, D] halves */
+} LayerWeights;
+
+/* Sizes shared by every layer; widths are the AMX outputs' (multiples of 32). */
+typedef struct {
+    int64_t hidden, Hq, Hk, D, inter;
+    int64_t qkv_width, o_width, gate_up_width, down_width;
+    int64_t block_size, kv_stride_block, kv_stride_token, kv_stride_head;
+    float eps, scale;
+} Dims;
+
+/* One step's inputs and scratch (bf16, rows `B`, row-contiguous). */
+typedef struct {
+    const uint16_t *x_in;      /* [B, hidden]: the embeddings */
+    uint16_t *x;               /* [B, down_width]: each layer's output, the result */
+    uint16_t *residual;        /* [B, hidden]: the running residual, the result */
+    uint16_t *h;               /* [B, hidden] */
+    uint16_t *qkv;             /* [B, qkv_width] */
+    uint16_t *attn;            /* [B, Hq * D] */
+    uint16_t *o;               /* [B, o_width] */
+    uint16_t *gate_up;         /* [B, gate_up_width] */
+    uint16_t *act;             /* [B, inter] */
+    const uint16_t *cos, *sin; /* [B, D / 2] */
+    const int64_t *block_table; /* [B, max_blocks] */
+    const int64_t *seq_lens;    /* [B], the new token included */
+    int64_t B, max_blocks;
+    int num_threads;
+} Step;
+
+/* Runs layers [0, n_layers). Returns 0, or the failing kernel's -1 (a shape it does not
+ * take: the caller checked them, so this does not happen in use). */
+int aserve_llama_decode(const LayerWeights *layers, int64_t n_layers, const Dims *d, const Step *s) {
+    const int64_t B = s->B, H = d->hidden, nt = s->num_threads;
+    const int64_t q_size = d->Hq * d->D;
+    for (int64_t i = 0; i < n_layers; i++) {
+        const LayerWeights *w = &layers[i];
+        int rc;
+        if (i == 0) {
+            memcpy(s->residual, s->x_in, (size_t)(B * H) * 2);
+            rc = aserve_rms_norm(s->x_in, H, NULL, 0, NULL, w->input_norm, s->h, B, H, d->eps, 1, nt);
+        } else {
+            rc = aserve_rms_norm(s->x, d->down_width, s->residual, H, s->residual, w->input_norm, s->h, B, H, d->eps,
+                                 1, nt);
+        }
+        if (rc) return rc;
+        if ((rc = aserve_amx_linear(s->h, H, w->w_qkv, s->qkv, d->qkv_width, B, d->qkv_width, H, nt))) return rc;
+        aserve_rotary(s->qkv, d->qkv_width, d->D, B, d->Hq + d->Hk, d->D, s->cos, s->sin, 1, nt);
+        const uint16_t *k_new = s->qkv + q_size, *v_new = s->qkv + q_size + d->Hk * d->D;
+        rc = aserve_decode_attention(s->qkv, w->k_cache, w->v_cache, k_new, v_new, d->qkv_width, d->D, d->qkv_width,
+                                     d->D, s->attn, s->block_table, s->seq_lens, B, d->Hq, d->Hk, d->D, d->block_size,
+                                     s->max_blocks, d->qkv_width, d->D, q_size, d->D, d->kv_stride_block,
+                                     d->kv_stride_token, d->kv_stride_head, d->scale, 1, nt);
+        if (rc) return rc;
+        if ((rc = aserve_amx_linear(s->attn, q_size, w->w_o, s->o, d->o_width, B, d->o_width, q_size, nt))) return rc;
+        rc = aserve_rms_norm(s->o, d->o_width, s->residual, H, s->residual, w->post_norm, s->h, B, H, d->eps, 1, nt);
+        if (rc) return rc;
+        rc = aserve_amx_linear(s->h, H, w->w_gate_up, s->gate_up, d->gate_up_width, B, d->gate_up_width, H, nt);
+        if (rc) return rc;
+        aserve_silu_mul(s->gate_up, d->gate_up_width, s->act, B, d->inter, 1, nt);
+        rc = aserve_amx_linear(s->act, d->inter, w->w_down, s->x, d->down_width, B, d->down_width, d->inter, nt);
+        if (rc) return rc;
+    }
+    return 0;
+}

@@ -1,0 +1,170 @@
+"""A decode step through every decoder layer of a Llama-family model in one C call
+(``cpu_llama_decode.c``), for bf16 models whose linear layers run on AMX.
+
+On a small model the per-layer Python between the kernels (module calls, views, output
+tensors, ctypes conversions) cost about a third of a decode step; this calls the same
+kernels in the same order from C, so its results are bit-identical to the layer-by-layer
+path. The model decides when it applies (:meth:`aserve.model.models.llama.LlamaModel.
+attach_decode_stack`); this module only describes the layers to the C side and keeps
+the step's scratch memory.
+
+:func:`load` returns None where the library cannot be built, the CPU has no AMX, or
+``ASERVE_CPU_FUSED_DECODE=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aserve.envs import read_env
+from aserve.kernels.amx_linear import cpu_has_amx
+from aserve.kernels.cbuild import load_library
+
+_SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
+_ALIGN = 32  # bf16 elements: each scratch region starts on a 64-byte line
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("input_norm", "post_norm", "w_qkv", "w_o", "w_gate_up", "w_down", "k_cache", "v_cache")]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("hidden", "Hq", "Hk", "D", "inter", "qkv_width", "o_width", "gate_up_width", "down_width",
+                 "block_size", "kv_stride_block", "kv_stride_token", "kv_stride_head")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("x_in", "x", "residual", "h", "qkv", "attn", "o", "gate_up", "act", "cos", "sin",
+                 "block_table", "seq_lens")] + [
+        ("B", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("num_threads", ctypes.c_int)]
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """One decoder layer as the C side reads it: the two norm weights ([hidden]) and the
+    four AMX-packed weights (``AmxLinear.pack``)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    w_qkv: torch.Tensor
+    w_o: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StackDims:
+    """Sizes every layer shares. Widths are the packed outputs' (``out`` rounded up to 32)."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    qkv_width: int
+    o_width: int
+    gate_up_width: int
+    down_width: int
+    eps: float
+    scale: float
+
+
+class DecodeStack:
+    """The layers of one model, ready to run decode steps: :meth:`run`."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, layers: list[LayerTensors], dims: StackDims) -> None:
+        self._fn = fn
+        self._layers = layers  # the tensors, so their memory outlives the pointers below
+        self.dims = dims
+        self._c_layers: ctypes.Array | None = None
+        self._c_dims: _Dims | None = None
+        self._kv_key: tuple[int, ...] = ()
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+
+    def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
+        """Layer and size structures for these caches ([2, blocks, block_size, Hk, D]
+        each); rebuilt only when the caches change."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if key == self._kv_key:
+            return
+        d = self.dims
+        arr = (_LayerWeights * len(self._layers))()
+        for slot, layer, cache in zip(arr, self._layers, kv_caches):
+            slot.input_norm, slot.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            slot.w_qkv, slot.w_o = layer.w_qkv.data_ptr(), layer.w_o.data_ptr()
+            slot.w_gate_up, slot.w_down = layer.w_gate_up.data_ptr(), layer.w_down.data_ptr()
+            slot.k_cache, slot.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+        stride = kv_caches[0][0].stride()
+        self._c_dims = _Dims(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate, d.qkv_width,
+                             d.o_width, d.gate_up_width, d.down_width, kv_caches[0].shape[2], stride[0], stride[1],
+                             stride[2], d.eps, d.scale)
+        self._c_layers, self._kv_key = arr, key
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+            block_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer for ``x`` ([B, hidden] bf16 embeddings, one decode token per row):
+        ``(last layer's output, residual)``, views of scratch memory that the next call
+        overwrites. ``cos`` / ``sin``: [B, head_dim / 2] contiguous; ``block_table``:
+        int64 [B, max_blocks] contiguous; ``seq_lens``: int64 [B], the new token
+        included. Writes this step's keys and values into ``kv_caches``."""
+        self._bind_kv(kv_caches)
+        d = self.dims
+        rows = x.shape[0]
+        sizes = [d.down_width, d.hidden, d.hidden, d.qkv_width, d.num_heads * d.head_dim, d.o_width,
+                 d.gate_up_width, d.intermediate]
+        spans = [-(-rows * n // _ALIGN) * _ALIGN for n in sizes]
+        if self._scratch.numel() < sum(spans):
+            self._scratch = torch.empty(sum(spans), dtype=torch.bfloat16)
+        base, offsets, at = self._scratch.data_ptr(), [], 0
+        for span in spans:
+            offsets.append(base + 2 * at)
+            at += span
+        step = _Step(x.data_ptr(), *offsets, cos.data_ptr(), sin.data_ptr(), block_table.data_ptr(),
+                     seq_lens.data_ptr(), rows, block_table.shape[1], torch.get_num_threads())
+        rc = self._fn(self._c_layers, len(self._layers), ctypes.byref(self._c_dims), ctypes.byref(step))
+        if rc != 0:
+            raise ValueError(f"fused decode step: a kernel refused the shapes {d} (rows {rows})")
+        out = self._scratch[: rows * d.down_width].view(rows, d.down_width)[:, : d.hidden]
+        residual = self._scratch[spans[0] : spans[0] + rows * d.hidden].view(rows, d.hidden)
+        return out, residual
+
+
+class LlamaDecodeKernel:
+    """The loaded library: :meth:`stack` describes a model's layers once."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.aserve_llama_decode
+        self._fn.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.c_int64, ctypes.POINTER(_Dims),
+                             ctypes.POINTER(_Step)]
+        self._fn.restype = ctypes.c_int
+
+    def stack(self, layers: list[LayerTensors], dims: StackDims) -> DecodeStack:
+        for layer in layers:
+            for t in (layer.input_norm, layer.post_norm, layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down):
+                if t.dtype != torch.bfloat16 or not t.is_contiguous():
+                    raise ValueError("the fused decode step takes contiguous bf16 weights")
+        return DecodeStack(self._fn, layers, dims)
+
+
+def load() -> LlamaDecodeKernel | None:
+    """The library, or None where it is unavailable or switched off."""
+    env = read_env()
+    if not env.cpu_fused_decode or not env.cpu_amx or not env.cpu_fused_ops or env.cpu_attention == "sdpa":
+        return None
+    if not cpu_has_amx():
+        return None
+    lib = load_library(_SOURCE, env.cache_dir / "kernels", "the fused decode step")
+    if lib is None:
+        return None
+    lib.aserve_amx_init.restype = ctypes.c_int
+    if not lib.aserve_amx_init():
+        return None
+    return LlamaDecodeKernel(lib)

@@ -1,0 +1,98 @@
+"""The fused decode step (aserve/kernels/llama_decode.py): every layer of a decode step in
+one C call must give exactly what the layer-by-layer path gives, and apply only where
+it computes the model's layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.kernels import amx_linear, llama_decode
+
+pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (CI and dev machines do)")
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.executor.worker.runner.model
+
+
+def _generate(llm: LLM, monkeypatch=None) -> list[tuple[list[int], list]]:
+    """Greedy completions with their top-3 logprobs, of prompts of different lengths that
+    finish at different steps (so decode-only steps and mixed ones both occur)."""
+    prompts = [[5, 9, 14, 3], list(range(10, 50)), [7] * 19, list(range(60, 64))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (30, 9, 21, 17)]
+    outs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_same_tokens_and_logprobs_as_the_layer_by_layer_path(arch, threads, model_dirs, monkeypatch, set_threads):
+    set_threads(threads)
+    fused_llm = LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24)
+    stack = _model(fused_llm).model.decode_stack
+    assert stack is not None
+    calls = []
+    run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *a: calls.append(a[0].shape[0]) or run(*a))
+    fused = _generate(fused_llm)
+    # Decode-only steps went through it (4 rows, then fewer as requests finish).
+    assert calls and max(calls) == 4 and min(calls) < 4
+
+    monkeypatch.setenv("ASERVE_CPU_FUSED_DECODE", "0")
+    llm = LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24)
+    assert _model(llm).model.decode_stack is None
+    assert _generate(llm) == fused  # bit-identical: the same kernels in the same order
+
+
+def test_one_step_gives_the_layers_hidden_states_and_kv_cache(llama_dir):
+    """A decode step of 3 rows at different lengths, straight through the model: the
+    hidden states and every layer's written cache slots equal the layer loop's."""
+    llm = LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)
+    runner = llm.engine.executor.worker.runner
+    model = runner.model
+    llm.generate([[5, 9, 14, 3], list(range(10, 50)), [7] * 19], SamplingParams(temperature=0, max_tokens=1))
+    from aserve.kernels.attention import AttentionMetadata
+
+    block_size = runner.block_size
+    lens = torch.tensor([5, 41, 20])
+    table = torch.tensor([[1, 0, 0], [2, 3, 4], [5, 6, 0]])
+    slots = torch.stack([table[i, (n - 1) // block_size] * block_size + (n - 1) % block_size for i, n in enumerate(lens)])
+    meta = AttentionMetadata(slots, 3, table, None, (), decode_kernel=runner.decode_kernel, decode_seq_lens=lens)
+    ids, pos = torch.tensor([11, 12, 13]), lens - 1
+    before = [kv.paged.clone() for kv in runner.kv_caches]
+    with torch.inference_mode():
+        fused = model(ids, pos, runner.kv_caches, meta).clone()
+        fused_kv = [kv.paged.clone() for kv in runner.kv_caches]
+        for kv, saved in zip(runner.kv_caches, before):
+            kv.paged.copy_(saved)
+        stack, model.model.decode_stack = model.model.decode_stack, None
+        try:
+            plain = model(ids, pos, runner.kv_caches, meta)
+        finally:
+            model.model.decode_stack = stack
+    assert torch.equal(fused, plain)
+    for got, want, old in zip(fused_kv, runner.kv_caches, before):
+        assert torch.equal(got, want.paged)
+        assert not torch.equal(got, old)  # the step wrote its keys and values
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_not_attached_where_the_layers_differ(arch, model_dirs):
+    """Biases on q/k/v (Qwen2) and per-head q/k norms (Qwen3) are not in the C step."""
+    llm = LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24)
+    assert _model(llm).model.decode_stack is None
+
+
+def test_not_attached_to_float32_models(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=1 << 24)
+    assert _model(llm).model.decode_stack is None
+
+
+@pytest.mark.parametrize("var", ["ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_AMX", "ASERVE_CPU_FUSED_OPS"])
+def test_switched_off_by_the_environment(var, monkeypatch):
+    assert llama_decode.load() is not None
+    monkeypatch.setenv(var, "0")
+    assert llama_decode.load() is None

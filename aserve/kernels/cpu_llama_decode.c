@@ -7,14 +7,14 @@
  * the same thread count, so the result is bit-identical to the layer-by-layer path:
  *
  *   per layer:  h, residual = RMSNorm(x + residual)          (first layer: residual = x)
- *               qkv = h . Wqkv^T;  rotary(q, k)
+ *               qkv = h . Wqkv^T (+ bias, Qwen2);  rotary(q, k)
  *               attn = decode attention over the paged cache (writes k, v into it)
  *               h, residual = RMSNorm(attn . Wo^T + residual)
  *               x = silu(h . Wgate^T) * (h . Wup^T) . Wdown^T
  *
  * and the caller applies the final norm to (x, residual). Only for what the layer-by-
- * layer path would run on the same kernels: bf16 weights packed for AMX, no biases, no
- * per-head q/k norm, one tensor-parallel rank (no all-reduce inside a layer), decode rows
+ * layer path would run on the same kernels: bf16 weights packed for AMX, no biases but
+ * on q/k/v, no per-head q/k norm, one tensor-parallel rank (no all-reduce inside a layer), decode rows
  * only (aserve/kernels/llama_decode.py checks).
  *
  * The kernels are compiled into this library from their own files (built by
@@ -28,6 +28,7 @@
 typedef struct {
     const uint16_t *input_norm, *post_norm;            /* [H] */
     const uint16_t *w_qkv, *w_o, *w_gate_up, *w_down;  /* AMX-packed */
+    const uint16_t *qkv_bias;                          /* [(Hq + 2 Hk) D], or NULL */
     void *k_cache, *v_cache;                           /* [blocks, block_size, Hk, D] halves */
 } LayerWeights;
 
@@ -57,6 +58,21 @@ typedef struct {
     int num_threads;
 } Step;
 
+/* y[r][i] += b[i] for r < rows, i < n, rounded to bf16 as torch's bf16 add_ is (in float,
+ * to nearest even). */
+static void add_bias_bf16(uint16_t *y, int64_t y_stride, const uint16_t *b, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *row = y + r * y_stride;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(row + i),
+                                to_bf16x16(_mm512_add_ps(load16(row + i, 1), load16(b + i, 1))));
+#endif
+        for (; i < n; i++) row[i] = float_to_bf16(bf16_to_float(row[i]) + bf16_to_float(b[i]));
+    }
+}
+
 /* Runs layers [0, n_layers). Returns 0, or the failing kernel's -1 (a shape it does not
  * take: the caller checked them, so this does not happen in use). */
 int aserve_llama_decode(const LayerWeights *layers, int64_t n_layers, const Dims *d, const Step *s) {
@@ -74,6 +90,7 @@ int aserve_llama_decode(const LayerWeights *layers, int64_t n_layers, const Dims
         }
         if (rc) return rc;
         if ((rc = aserve_amx_linear(s->h, H, w->w_qkv, s->qkv, d->qkv_width, B, d->qkv_width, H, nt))) return rc;
+        if (w->qkv_bias) add_bias_bf16(s->qkv, d->qkv_width, w->qkv_bias, B, q_size + 2 * d->Hk * d->D);
         aserve_rotary(s->qkv, d->qkv_width, d->D, B, d->Hq + d->Hk, d->D, s->cos, s->sin, 1, nt);
         const uint16_t *k_new = s->qkv + q_size, *v_new = s->qkv + q_size + d->Hk * d->D;
         rc = aserve_decode_attention(s->qkv, w->k_cache, w->v_cache, k_new, v_new, d->qkv_width, d->D, d->qkv_width,

@@ -30,7 +30,7 @@ _ALIGN = 32  # bf16 elements: each scratch region starts on a 64-byte line
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("input_norm", "post_norm", "w_qkv", "w_o", "w_gate_up", "w_down", "k_cache", "v_cache")]
+                ("input_norm", "post_norm", "w_qkv", "w_o", "w_gate_up", "w_down", "qkv_bias", "k_cache", "v_cache")]
 
 
 class _Dims(ctypes.Structure):
@@ -49,8 +49,8 @@ class _Step(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerTensors:
-    """One decoder layer as the C side reads it: the two norm weights ([hidden]) and the
-    four AMX-packed weights (``AmxLinear.pack``)."""
+    """One decoder layer as the C side reads it: the two norm weights ([hidden]), the
+    four AMX-packed weights (``AmxLinear.pack``), and the q/k/v bias (Qwen2) if any."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -58,6 +58,7 @@ class LayerTensors:
     w_o: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class DecodeStack:
             slot.input_norm, slot.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             slot.w_qkv, slot.w_o = layer.w_qkv.data_ptr(), layer.w_o.data_ptr()
             slot.w_gate_up, slot.w_down = layer.w_gate_up.data_ptr(), layer.w_down.data_ptr()
+            slot.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
             slot.k_cache, slot.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
         stride = kv_caches[0][0].stride()
         self._c_dims = _Dims(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate, d.qkv_width,
@@ -148,8 +150,9 @@ class LlamaDecodeKernel:
 
     def stack(self, layers: list[LayerTensors], dims: StackDims) -> DecodeStack:
         for layer in layers:
-            for t in (layer.input_norm, layer.post_norm, layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down):
-                if t.dtype != torch.bfloat16 or not t.is_contiguous():
+            for t in (layer.input_norm, layer.post_norm, layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down,
+                      layer.qkv_bias):
+                if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous()):
                     raise ValueError("the fused decode step takes contiguous bf16 weights")
         return DecodeStack(self._fn, layers, dims)
 

@@ -125,8 +125,8 @@ class LlamaModel(nn.Module):
 
     def attach_decode_stack(self, kernel: LlamaDecodeKernel) -> bool:
         """Run decode steps through ``kernel`` (one C call for every layer) if this
-        model's layers are exactly what it computes: plain Llama layers (no biases, no
-        q/k norm), one tensor-parallel rank, every linear on AMX, the C norm, rotary and
+        model's layers are exactly what it computes: Llama layers (no biases but on
+        q/k/v, as Qwen2 has; no q/k norm), one tensor-parallel rank, every linear on AMX, the C norm, rotary and
         SiLU kernels attached. Returns whether it was attached."""
         layers = list(self.layers)
         if not layers or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
@@ -137,13 +137,15 @@ class LlamaModel(nn.Module):
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
                     or type(mlp).forward is not LlamaMLP.forward or attn.use_qk_norm or attn.rotary is not self.rotary
-                    or any(lin.amx is None or lin.bias is not None or lin.tp.size != 1 for lin in linears)
+                    or any(lin.amx is None or lin.tp.size != 1 for lin in linears)
+                    or any(lin.bias is not None for lin in linears[1:])
                     or mlp.fused_ops is None
                     or any(n.fused_ops is None for n in (layer.input_layernorm, layer.post_attention_layernorm))):
                 return False
             tensors.append(LayerTensors(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
                                         attn.qkv_proj.amx_weight, attn.o_proj.amx_weight, mlp.gate_up_proj.amx_weight,
-                                        mlp.down_proj.amx_weight))
+                                        mlp.down_proj.amx_weight,
+                                        None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data))
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         norms = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}

@@ -108,7 +108,10 @@ def _running(server) -> float:
 
 def test_requests_past_the_shutdown_timeout_are_cut_off(llama_dir):
     before = aserve_shm()
-    server = Server(llama_dir, "--shutdown-timeout", "0.3", "--max-model-len", "512")
+    # 8 streams of 480 tokens, one at a time (--max-num-seqs 1): ~3,800 decode steps, far
+    # more than the tiny model gets through in the 0.3 s drain (8 streams side by side
+    # came close to finishing inside it).
+    server = Server(llama_dir, "--shutdown-timeout", "0.3", "--max-model-len", "512", "--max-num-seqs", "1")
     pids = server.pids()
     seen = {"events": 0, "done": False}
 

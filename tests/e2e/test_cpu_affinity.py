@@ -1,4 +1,5 @@
-"""``aserve run`` pins a worker to cores of its own when its threads leave cores free."""
+"""``aserve run`` pins a worker to cores of its own when its threads leave cores free, and
+asks the scheduler to run the engine core promptly when it wakes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from aserve.engine.core_process import ENGINE_CORE_SLICE_NS
 from tests.e2e.server import Server
 
 
@@ -31,6 +33,34 @@ def test_one_thread_worker_gets_a_core_of_its_own(llama_dir: Path):
         # thread of the API server and the engine core on the others.
         assert worker == {frozenset(cpus[-1:])}
         assert front == {frozenset(cpus[:-1])}
+    finally:
+        server.stop(signal.SIGTERM)
+
+
+def slices(pid: int) -> set[int]:
+    """The scheduler slice (ns) of every thread of ``pid``, from ``/proc/PID/task/TID/sched``."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        for line in Path(f"/proc/{pid}/task/{tid}/sched").read_text().splitlines():
+            if line.startswith("se.slice"):
+                out.add(int(line.split(":")[1]))
+    return out
+
+
+@pytest.mark.skipif(tuple(int(x) for x in os.uname().release.split(".")[:2]) < (6, 12),
+                    reason="custom scheduler slices need Linux 6.12 (CI and dev machines run 6.18)")
+def test_engine_core_threads_run_with_a_short_slice(llama_dir: Path):
+    default = slices(os.getpid())
+    server = Server(llama_dir, "--worker-threads", "1")
+    try:
+        titles = server.titles()
+        r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200  # the busy loop's thread exists by now
+        assert slices(titles["aserve::engine_core_0"]) == {ENGINE_CORE_SLICE_NS}
+        # The worker (started by the engine core before it asks) and the API server keep
+        # the kernel's default.
+        assert slices(titles["aserve::worker_tp0"]) == default != {ENGINE_CORE_SLICE_NS}
+        assert slices(titles["aserve::api_server_0"]) == default
     finally:
         server.stop(signal.SIGTERM)
 

@@ -107,3 +107,18 @@ def test_switched_off_by_the_environment(var, monkeypatch):
     assert llama_decode.load() is not None
     monkeypatch.setenv(var, "0")
     assert llama_decode.load() is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_2_same_tokens_and_logprobs(arch, model_dirs, monkeypatch, capfd):
+    """With two ranks each layer is two C calls with the all-reduces between them, where
+    the layer-by-layer path has them: the results stay bit-identical."""
+    with LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24, tensor_parallel_size=2) as llm:
+        fused = _generate(llm)
+    logged = capfd.readouterr().err
+    assert logged.count("decode steps run the decoder layers from C (two calls a layer") == 2  # both ranks
+    monkeypatch.setenv("ASERVE_CPU_FUSED_DECODE", "0")
+    with LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24, tensor_parallel_size=2) as llm:
+        plain = _generate(llm)
+    assert "decode steps run the decoder layers from C" not in capfd.readouterr().err
+    assert plain == fused

@@ -12,10 +12,11 @@
  *               h, residual = RMSNorm(attn . Wo^T + residual)
  *               x = silu(h . Wgate^T) * (h . Wup^T) . Wdown^T
  *
- * and the caller applies the final norm to (x, residual). Only for what the layer-by-
- * layer path would run on the same kernels: bf16 weights packed for AMX, no biases but
- * on q/k/v, no per-head q/k norm, one tensor-parallel rank (no all-reduce inside a layer), decode rows
- * only (aserve/kernels/llama_decode.py checks).
+ * and the caller applies the final norm to (x, residual). With tensor parallelism each
+ * layer is two calls (aserve_llama_decode_half), the caller all-reducing o_proj's and
+ * down_proj's outputs between them. Only for what the layer-by-layer path would run on
+ * the same kernels: bf16 weights packed for AMX, no biases but on q/k/v, no per-head q/k
+ * norm, decode rows only (aserve/kernels/llama_decode.py checks).
  *
  * The kernels are compiled into this library from their own files (built by
  * aserve/kernels/cbuild.py, whose cache key covers them).
@@ -73,39 +74,59 @@ static void add_bias_bf16(uint16_t *y, int64_t y_stride, const uint16_t *b, int6
     }
 }
 
-/* Runs layers [0, n_layers). Returns 0, or the failing kernel's -1 (a shape it does not
- * take: the caller checked them, so this does not happen in use). */
-int aserve_llama_decode(const LayerWeights *layers, int64_t n_layers, const Dims *d, const Step *s) {
+/* The attention half of layer i: x (or, for layer 0, x_in) and the residual -> o, the
+ * o_proj output (this rank's partial sum when the layer is split between ranks). */
+static int attention_half(const LayerWeights *layers, int64_t i, const Dims *d, const Step *s) {
+    const LayerWeights *w = &layers[i];
+    const int64_t B = s->B, H = d->hidden, nt = s->num_threads, q_size = d->Hq * d->D;
+    int rc;
+    if (i == 0) {
+        memcpy(s->residual, s->x_in, (size_t)(B * H) * 2);
+        rc = aserve_rms_norm(s->x_in, H, NULL, 0, NULL, w->input_norm, s->h, B, H, d->eps, 1, nt);
+    } else {
+        rc = aserve_rms_norm(s->x, d->down_width, s->residual, H, s->residual, w->input_norm, s->h, B, H, d->eps, 1,
+                             nt);
+    }
+    if (rc) return rc;
+    if ((rc = aserve_amx_linear(s->h, H, w->w_qkv, s->qkv, d->qkv_width, B, d->qkv_width, H, nt))) return rc;
+    if (w->qkv_bias) add_bias_bf16(s->qkv, d->qkv_width, w->qkv_bias, B, q_size + 2 * d->Hk * d->D);
+    aserve_rotary(s->qkv, d->qkv_width, d->D, B, d->Hq + d->Hk, d->D, s->cos, s->sin, 1, nt);
+    const uint16_t *k_new = s->qkv + q_size, *v_new = s->qkv + q_size + d->Hk * d->D;
+    rc = aserve_decode_attention(s->qkv, w->k_cache, w->v_cache, k_new, v_new, d->qkv_width, d->D, d->qkv_width, d->D,
+                                 s->attn, s->block_table, s->seq_lens, B, d->Hq, d->Hk, d->D, d->block_size,
+                                 s->max_blocks, d->qkv_width, d->D, q_size, d->D, d->kv_stride_block,
+                                 d->kv_stride_token, d->kv_stride_head, d->scale, 1, nt);
+    if (rc) return rc;
+    return aserve_amx_linear(s->attn, q_size, w->w_o, s->o, d->o_width, B, d->o_width, q_size, nt);
+}
+
+/* The MLP half of layer i: o and the residual -> x, the down_proj output (a partial sum
+ * when split between ranks). */
+static int mlp_half(const LayerWeights *layers, int64_t i, const Dims *d, const Step *s) {
+    const LayerWeights *w = &layers[i];
     const int64_t B = s->B, H = d->hidden, nt = s->num_threads;
-    const int64_t q_size = d->Hq * d->D;
+    int rc = aserve_rms_norm(s->o, d->o_width, s->residual, H, s->residual, w->post_norm, s->h, B, H, d->eps, 1, nt);
+    if (rc) return rc;
+    rc = aserve_amx_linear(s->h, H, w->w_gate_up, s->gate_up, d->gate_up_width, B, d->gate_up_width, H, nt);
+    if (rc) return rc;
+    aserve_silu_mul(s->gate_up, d->gate_up_width, s->act, B, d->inter, 1, nt);
+    return aserve_amx_linear(s->act, d->inter, w->w_down, s->x, d->down_width, B, d->down_width, d->inter, nt);
+}
+
+/* Runs layers [0, n_layers) on one rank. Returns 0, or the failing kernel's -1 (a shape
+ * it does not take: the caller checked them, so this does not happen in use). */
+int aserve_llama_decode(const LayerWeights *layers, int64_t n_layers, const Dims *d, const Step *s) {
     for (int64_t i = 0; i < n_layers; i++) {
-        const LayerWeights *w = &layers[i];
-        int rc;
-        if (i == 0) {
-            memcpy(s->residual, s->x_in, (size_t)(B * H) * 2);
-            rc = aserve_rms_norm(s->x_in, H, NULL, 0, NULL, w->input_norm, s->h, B, H, d->eps, 1, nt);
-        } else {
-            rc = aserve_rms_norm(s->x, d->down_width, s->residual, H, s->residual, w->input_norm, s->h, B, H, d->eps,
-                                 1, nt);
-        }
-        if (rc) return rc;
-        if ((rc = aserve_amx_linear(s->h, H, w->w_qkv, s->qkv, d->qkv_width, B, d->qkv_width, H, nt))) return rc;
-        if (w->qkv_bias) add_bias_bf16(s->qkv, d->qkv_width, w->qkv_bias, B, q_size + 2 * d->Hk * d->D);
-        aserve_rotary(s->qkv, d->qkv_width, d->D, B, d->Hq + d->Hk, d->D, s->cos, s->sin, 1, nt);
-        const uint16_t *k_new = s->qkv + q_size, *v_new = s->qkv + q_size + d->Hk * d->D;
-        rc = aserve_decode_attention(s->qkv, w->k_cache, w->v_cache, k_new, v_new, d->qkv_width, d->D, d->qkv_width,
-                                     d->D, s->attn, s->block_table, s->seq_lens, B, d->Hq, d->Hk, d->D, d->block_size,
-                                     s->max_blocks, d->qkv_width, d->D, q_size, d->D, d->kv_stride_block,
-                                     d->kv_stride_token, d->kv_stride_head, d->scale, 1, nt);
-        if (rc) return rc;
-        if ((rc = aserve_amx_linear(s->attn, q_size, w->w_o, s->o, d->o_width, B, d->o_width, q_size, nt))) return rc;
-        rc = aserve_rms_norm(s->o, d->o_width, s->residual, H, s->residual, w->post_norm, s->h, B, H, d->eps, 1, nt);
-        if (rc) return rc;
-        rc = aserve_amx_linear(s->h, H, w->w_gate_up, s->gate_up, d->gate_up_width, B, d->gate_up_width, H, nt);
-        if (rc) return rc;
-        aserve_silu_mul(s->gate_up, d->gate_up_width, s->act, B, d->inter, 1, nt);
-        rc = aserve_amx_linear(s->act, d->inter, w->w_down, s->x, d->down_width, B, d->down_width, d->inter, nt);
-        if (rc) return rc;
+        int rc = attention_half(layers, i, d, s);
+        if (rc || (rc = mlp_half(layers, i, d, s))) return rc;
     }
     return 0;
+}
+
+/* One half of layer i (half 0: attention, 1: MLP), for a layer split between
+ * tensor-parallel ranks: the caller sums o (after half 0) and x (after half 1) over the
+ * ranks in between, where the layer-by-layer path all-reduces o_proj's and down_proj's
+ * outputs. */
+int aserve_llama_decode_half(const LayerWeights *layers, int64_t i, int half, const Dims *d, const Step *s) {
+    return half == 0 ? attention_half(layers, i, d, s) : mlp_half(layers, i, d, s);
 }

@@ -1,5 +1,6 @@
 """A decode step through every decoder layer of a Llama-family model in one C call
-(``cpu_llama_decode.c``), for bf16 models whose linear layers run on AMX.
+(``cpu_llama_decode.c``; two a layer on a tensor-parallel rank, all-reduced between),
+for bf16 models whose linear layers run on AMX.
 
 On a small model the per-layer Python between the kernels (module calls, views, output
 tensors, ctypes conversions) cost about a third of a decode step; this calls the same
@@ -15,6 +16,7 @@ the step's scratch memory.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,12 +81,18 @@ class StackDims:
 
 
 class DecodeStack:
-    """The layers of one model, ready to run decode steps: :meth:`run`."""
+    """The layers of one model, ready to run decode steps: :meth:`run`.
 
-    def __init__(self, fn: ctypes._CFuncPtr, layers: list[LayerTensors], dims: StackDims) -> None:
-        self._fn = fn
+    With ``all_reduce`` (a tensor-parallel rank's in-place sum over its group) each layer
+    runs as two C calls, and o_proj's and down_proj's outputs are summed between them,
+    where the layer-by-layer path sums them; their widths must then equal ``hidden``."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, half: ctypes._CFuncPtr, layers: list[LayerTensors], dims: StackDims,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self._fn, self._half = fn, half
         self._layers = layers  # the tensors, so their memory outlives the pointers below
         self.dims = dims
+        self._all_reduce = all_reduce
         self._c_layers: ctypes.Array | None = None
         self._c_dims: _Dims | None = None
         self._kv_key: tuple[int, ...] = ()
@@ -131,7 +139,24 @@ class DecodeStack:
             at += span
         step = _Step(x.data_ptr(), *offsets, cos.data_ptr(), sin.data_ptr(), block_table.data_ptr(),
                      seq_lens.data_ptr(), rows, block_table.shape[1], torch.get_num_threads())
-        rc = self._fn(self._c_layers, len(self._layers), ctypes.byref(self._c_dims), ctypes.byref(step))
+        dims_ref, step_ref = ctypes.byref(self._c_dims), ctypes.byref(step)
+        if self._all_reduce is None:
+            rc = self._fn(self._c_layers, len(self._layers), dims_ref, step_ref)
+        else:
+            # o (region 5) and x (region 0) are [rows, hidden], contiguous (checked in stack()).
+            o_start = sum(spans[:5])
+            o_sum = self._scratch[o_start : o_start + rows * d.hidden]
+            x_sum = self._scratch[: rows * d.hidden]
+            rc = 0
+            for i in range(len(self._layers)):
+                rc = self._half(self._c_layers, i, 0, dims_ref, step_ref)
+                if rc:
+                    break
+                self._all_reduce(o_sum)
+                rc = self._half(self._c_layers, i, 1, dims_ref, step_ref)
+                if rc:
+                    break
+                self._all_reduce(x_sum)
         if rc != 0:
             raise ValueError(f"fused decode step: a kernel refused the shapes {d} (rows {rows})")
         out = self._scratch[: rows * d.down_width].view(rows, d.down_width)[:, : d.hidden]
@@ -147,14 +172,23 @@ class LlamaDecodeKernel:
         self._fn.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.c_int64, ctypes.POINTER(_Dims),
                              ctypes.POINTER(_Step)]
         self._fn.restype = ctypes.c_int
+        self._half = lib.aserve_llama_decode_half
+        self._half.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Dims),
+                               ctypes.POINTER(_Step)]
+        self._half.restype = ctypes.c_int
 
-    def stack(self, layers: list[LayerTensors], dims: StackDims) -> DecodeStack:
+    def stack(self, layers: list[LayerTensors], dims: StackDims,
+              all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DecodeStack:
+        """The stack of ``layers``; ``all_reduce`` for a layer split between tensor-parallel
+        ranks (see :class:`DecodeStack`). Raises ValueError for weights it cannot take."""
+        if all_reduce is not None and not dims.o_width == dims.down_width == dims.hidden:
+            raise ValueError("a tensor-parallel decode stack needs a hidden size that is a multiple of 32")
         for layer in layers:
             for t in (layer.input_norm, layer.post_norm, layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down,
                       layer.qkv_bias):
                 if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous()):
                     raise ValueError("the fused decode step takes contiguous bf16 weights")
-        return DecodeStack(self._fn, layers, dims)
+        return DecodeStack(self._fn, self._half, layers, dims, all_reduce)
 
 
 def load() -> LlamaDecodeKernel | None:

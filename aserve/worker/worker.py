@@ -7,6 +7,7 @@ a message.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from aserve.worker.cpu_memory import keep_freed_memory, release_free_memory
 from aserve.worker.kv_spec import local_kv_heads
 from aserve.worker.model_runner import ModelRunner
 
+logger = logging.getLogger("aserve.worker")
+
 
 class Worker:
     def __init__(self, config: EngineConfig, tp: TPGroup, *, show_progress: bool = False) -> None:
@@ -46,12 +49,13 @@ class Worker:
             fused = load_fused_ops()
             if fused is not None:
                 attach_fused_ops(model, fused)
-                # Decode steps through every layer in one C call, where the model's
-                # layers allow it (bf16 on AMX, one rank; aserve/kernels/llama_decode.py).
-                if self.dtype == torch.bfloat16 and tp.size == 1 and hasattr(model, "attach_decode_stack"):
+                # Decode steps through every layer from C, where the model's layers
+                # allow it (bf16 on AMX; aserve/kernels/llama_decode.py).
+                if self.dtype == torch.bfloat16 and hasattr(model, "attach_decode_stack"):
                     kernel = load_decode_stack()
-                    if kernel is not None:
-                        model.attach_decode_stack(kernel)
+                    if kernel is not None and model.attach_decode_stack(kernel):
+                        logger.info("rank %d: decode steps run the decoder layers from C (%s)", tp.rank,
+                                    "one call" if tp.size == 1 else "two calls a layer, all-reduced between")
         if on_cpu:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed)

@@ -126,8 +126,9 @@ class LlamaModel(nn.Module):
     def attach_decode_stack(self, kernel: LlamaDecodeKernel) -> bool:
         """Run decode steps through ``kernel`` (one C call for every layer) if this
         model's layers are exactly what it computes: Llama layers (no biases but on
-        q/k/v, as Qwen2 has; no q/k norm), one tensor-parallel rank, every linear on AMX, the C norm, rotary and
-        SiLU kernels attached. Returns whether it was attached."""
+        q/k/v, as Qwen2 has; no q/k norm), every linear on AMX, the C norm, rotary and
+        SiLU kernels attached; with tensor parallelism, a hidden size that is a multiple
+        of 32 (the summed outputs are then unpadded). Returns whether it was attached."""
         layers = list(self.layers)
         if not layers or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
             return False
@@ -137,7 +138,7 @@ class LlamaModel(nn.Module):
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
                     or type(mlp).forward is not LlamaMLP.forward or attn.use_qk_norm or attn.rotary is not self.rotary
-                    or any(lin.amx is None or lin.tp.size != 1 for lin in linears)
+                    or any(lin.amx is None or lin.tp is not attn.o_proj.tp for lin in linears)
                     or any(lin.bias is not None for lin in linears[1:])
                     or mlp.fused_ops is None
                     or any(n.fused_ops is None for n in (layer.input_layernorm, layer.post_attention_layernorm))):
@@ -152,12 +153,16 @@ class LlamaModel(nn.Module):
         if len(norms) != 1:
             return False
         width = lambda lin: -(-lin.out_rows // 32) * 32  # noqa: E731 - the packed output's row width
+        tp = attn.o_proj.tp
+        hidden = first.input_layernorm.weight.shape[0]
+        if tp.size > 1 and hidden % 32:
+            return False
         self.decode_stack = kernel.stack(tensors, StackDims(
-            hidden=first.input_layernorm.weight.shape[0], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            hidden=hidden, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=mlp.gate_up_proj.out_rows // 2, qkv_width=width(attn.qkv_proj),
             o_width=width(attn.o_proj), gate_up_width=width(mlp.gate_up_proj), down_width=width(mlp.down_proj),
             eps=norms.pop(), scale=attn.attn.scale,
-        ))
+        ), all_reduce=tp.all_reduce if tp.size > 1 else None)
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:

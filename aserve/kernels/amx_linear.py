@@ -29,8 +29,9 @@ _SOURCE = Path(__file__).with_name("cpu_amx_linear.c")
 _HUGE_PAGE = 2 << 20
 
 
-def _padded(rows: int) -> int:
-    """``rows`` rounded up to the 32 output columns of a tile pair."""
+def padded_width(rows: int) -> int:
+    """``rows`` (a weight's output side) rounded up to the 32 output columns of a tile pair:
+    the width of a row of the kernel's output."""
     return -(-rows // 32) * 32
 
 
@@ -56,7 +57,7 @@ class AmxLinear:
     @staticmethod
     def packed_numel(weight: torch.Tensor) -> int:
         """Elements of :meth:`pack`'s copy: ``out`` rounded up to 32, times ``in``."""
-        return _padded(weight.shape[0]) * weight.shape[1]
+        return padded_width(weight.shape[0]) * weight.shape[1]
 
     def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tiled copy of ``weight`` (see the C file for the layout), of
@@ -84,7 +85,7 @@ class AmxLinear:
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows, in_features = x.shape
-        width = _padded(out_features)
+        width = padded_width(out_features)
         y = torch.empty(rows, width, dtype=torch.bfloat16)
         if rows:
             code = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), width, rows,

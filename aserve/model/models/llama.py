@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
+from aserve.kernels.amx_linear import padded_width
 from aserve.kernels.attention import AttentionMetadata, LayerKV
 from aserve.kernels.cpu_fused_ops import FusedOps
 from aserve.kernels.llama_decode import DecodeStack, LayerTensors, LlamaDecodeKernel, StackDims
@@ -152,15 +153,15 @@ class LlamaModel(nn.Module):
         norms = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
         if len(norms) != 1:
             return False
-        width = lambda lin: -(-lin.out_rows // 32) * 32  # noqa: E731 - the packed output's row width
         tp = attn.o_proj.tp
         hidden = first.input_layernorm.weight.shape[0]
         if tp.size > 1 and hidden % 32:
             return False
         self.decode_stack = kernel.stack(tensors, StackDims(
             hidden=hidden, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, intermediate=mlp.gate_up_proj.out_rows // 2, qkv_width=width(attn.qkv_proj),
-            o_width=width(attn.o_proj), gate_up_width=width(mlp.gate_up_proj), down_width=width(mlp.down_proj),
+            head_dim=attn.head_dim, intermediate=mlp.gate_up_proj.out_rows // 2,
+            qkv_width=padded_width(attn.qkv_proj.out_rows), o_width=padded_width(attn.o_proj.out_rows),
+            gate_up_width=padded_width(mlp.gate_up_proj.out_rows), down_width=padded_width(mlp.down_proj.out_rows),
             eps=norms.pop(), scale=attn.attn.scale,
         ), all_reduce=tp.all_reduce if tp.size > 1 else None)
         return True

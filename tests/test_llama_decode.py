@@ -18,13 +18,18 @@ def _model(llm: LLM) -> torch.nn.Module:
 
 
 def _random_qkv_biases(llm: LLM) -> None:
-    """Nonzero q/k/v biases, the same for every LLM (transformers initialises them to zero,
-    which would not show a bias left out)."""
+    """Nonzero q/k/v biases and q/k norm weights other than one, the same for every LLM
+    (transformers initialises them to zeros and ones, which would not show a bias left
+    out or the q and k norms swapped)."""
     g = torch.Generator().manual_seed(7)
     for layer in _model(llm).model.layers:
-        bias = layer.self_attn.qkv_proj.bias
+        attn = layer.self_attn
+        bias = attn.qkv_proj.bias
         if bias is not None:
             bias.data.copy_(torch.randn(bias.shape, generator=g) * 0.5)
+        if attn.use_qk_norm:
+            for norm in (attn.q_norm, attn.k_norm):
+                norm.weight.data.copy_(1 + torch.randn(norm.weight.shape, generator=g) * 0.5)
 
 
 def _generate(llm: LLM) -> list[tuple[list[int], list]]:
@@ -37,7 +42,7 @@ def _generate(llm: LLM) -> list[tuple[list[int], list]]:
             for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: a q/k/v bias
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen2: q/k/v bias; qwen3: q/k norms
 @pytest.mark.parametrize("threads", [1, 2])
 def test_same_tokens_and_logprobs_as_the_layer_by_layer_path(arch, threads, model_dirs, monkeypatch, set_threads):
     set_threads(threads)
@@ -91,12 +96,6 @@ def test_one_step_gives_the_layers_hidden_states_and_kv_cache(llama_dir):
         assert not torch.equal(got, old)  # the step wrote its keys and values
 
 
-def test_not_attached_where_the_layers_differ(model_dirs):
-    """Per-head q/k norms (Qwen3) are not in the C step."""
-    llm = LLM(str(model_dirs["qwen3"]), dtype="bfloat16", kv_cache_memory=1 << 24)
-    assert _model(llm).model.decode_stack is None
-
-
 def test_not_attached_to_float32_models(llama_dir):
     llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=1 << 24)
     assert _model(llm).model.decode_stack is None
@@ -109,7 +108,7 @@ def test_switched_off_by_the_environment(var, monkeypatch):
     assert llama_decode.load() is None
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tensor_parallel_2_same_tokens_and_logprobs(arch, model_dirs, monkeypatch, capfd):
     """With two ranks each layer is two C calls with the all-reduces between them, where
     the layer-by-layer path has them: the results stay bit-identical."""

@@ -7,7 +7,8 @@
  * the same thread count, so the result is bit-identical to the layer-by-layer path:
  *
  *   per layer:  h, residual = RMSNorm(x + residual)          (first layer: residual = x)
- *               qkv = h . Wqkv^T (+ bias, Qwen2);  rotary(q, k)
+ *               qkv = h . Wqkv^T (+ bias, Qwen2);  RMSNorm of each q and k head (Qwen3);
+ *               rotary(q, k)
  *               attn = decode attention over the paged cache (writes k, v into it)
  *               h, residual = RMSNorm(attn . Wo^T + residual)
  *               x = silu(h . Wgate^T) * (h . Wup^T) . Wdown^T
@@ -15,8 +16,7 @@
  * and the caller applies the final norm to (x, residual). With tensor parallelism each
  * layer is two calls (aserve_llama_decode_half), the caller all-reducing o_proj's and
  * down_proj's outputs between them. Only for what the layer-by-layer path would run on
- * the same kernels: bf16 weights packed for AMX, no biases but on q/k/v, no per-head q/k
- * norm, decode rows only (aserve/kernels/llama_decode.py checks).
+ * the same kernels: bf16 weights packed for AMX, no biases but on q/k/v, decode rows only (aserve/kernels/llama_decode.py checks).
  *
  * The kernels are compiled into this library from their own files (built by
  * aserve/kernels/cbuild.py, whose cache key covers them).
@@ -30,6 +30,7 @@ typedef struct {
     const uint16_t *input_norm, *post_norm;            /* [H] */
     const uint16_t *w_qkv, *w_o, *w_gate_up, *w_down;  /* AMX-packed */
     const uint16_t *qkv_bias;                          /* [(Hq + 2 Hk) D], or NULL */
+    const uint16_t *q_norm, *k_norm;                   /* [D] per-head norm weights, or NULL */
     void *k_cache, *v_cache;                           /* [blocks, block_size, Hk, D] halves */
 } LayerWeights;
 
@@ -39,6 +40,7 @@ typedef struct {
     int64_t qkv_width, o_width, gate_up_width, down_width;
     int64_t block_size, kv_stride_block, kv_stride_token, kv_stride_head;
     float eps, scale;
+    float qk_eps; /* the per-head norms' */
 } Dims;
 
 /* One step's inputs and scratch (bf16, rows `B`, row-contiguous). */
@@ -90,6 +92,15 @@ static int attention_half(const LayerWeights *layers, int64_t i, const Dims *d, 
     if (rc) return rc;
     if ((rc = aserve_amx_linear(s->h, H, w->w_qkv, s->qkv, d->qkv_width, B, d->qkv_width, H, nt))) return rc;
     if (w->qkv_bias) add_bias_bf16(s->qkv, d->qkv_width, w->qkv_bias, B, q_size + 2 * d->Hk * d->D);
+    if (w->q_norm) { /* in place, a token's heads as rows D apart: the kernel's per-row arithmetic */
+        for (int64_t t = 0; t < B; t++) {
+            uint16_t *row = s->qkv + t * d->qkv_width;
+            if ((rc = aserve_rms_norm(row, d->D, NULL, 0, NULL, w->q_norm, row, d->Hq, d->D, d->qk_eps, 1, 1))) return rc;
+            if ((rc = aserve_rms_norm(row + q_size, d->D, NULL, 0, NULL, w->k_norm, row + q_size, d->Hk, d->D,
+                                      d->qk_eps, 1, 1)))
+                return rc;
+        }
+    }
     aserve_rotary(s->qkv, d->qkv_width, d->D, B, d->Hq + d->Hk, d->D, s->cos, s->sin, 1, nt);
     const uint16_t *k_new = s->qkv + q_size, *v_new = s->qkv + q_size + d->Hk * d->D;
     rc = aserve_decode_attention(s->qkv, w->k_cache, w->v_cache, k_new, v_new, d->qkv_width, d->D, d->qkv_width, d->D,

@@ -1,6 +1,6 @@
 """A decode step through every decoder layer of a Llama-family model in one C call
 (``cpu_llama_decode.c``; two a layer on a tensor-parallel rank, all-reduced between),
-for bf16 models whose linear layers run on AMX.
+for bf16 models whose linear layers run on AMX (Llama, Mistral, Qwen2, Qwen3).
 
 On a small model the per-layer Python between the kernels (module calls, views, output
 tensors, ctypes conversions) cost about a third of a decode step; this calls the same
@@ -32,14 +32,15 @@ _ALIGN = 32  # bf16 elements: each scratch region starts on a 64-byte line
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("input_norm", "post_norm", "w_qkv", "w_o", "w_gate_up", "w_down", "qkv_bias", "k_cache", "v_cache")]
+                ("input_norm", "post_norm", "w_qkv", "w_o", "w_gate_up", "w_down", "qkv_bias", "q_norm", "k_norm", "k_cache",
+                 "v_cache")]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
                 ("hidden", "Hq", "Hk", "D", "inter", "qkv_width", "o_width", "gate_up_width", "down_width",
                  "block_size", "kv_stride_block", "kv_stride_token", "kv_stride_head")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("qk_eps", ctypes.c_float)]
 
 
 class _Step(ctypes.Structure):
@@ -52,7 +53,8 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True)
 class LayerTensors:
     """One decoder layer as the C side reads it: the two norm weights ([hidden]), the
-    four AMX-packed weights (``AmxLinear.pack``), and the q/k/v bias (Qwen2) if any."""
+    four AMX-packed weights (``AmxLinear.pack``), the q/k/v bias (Qwen2) and the
+    per-head q and k norm weights ([head_dim], Qwen3) if any."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -61,6 +63,8 @@ class LayerTensors:
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
     qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class StackDims:
     down_width: int
     eps: float
     scale: float
+    qk_eps: float = 0.0  # the per-head q/k norms' epsilon (Qwen3)
 
 
 class DecodeStack:
@@ -111,11 +116,13 @@ class DecodeStack:
             slot.w_qkv, slot.w_o = layer.w_qkv.data_ptr(), layer.w_o.data_ptr()
             slot.w_gate_up, slot.w_down = layer.w_gate_up.data_ptr(), layer.w_down.data_ptr()
             slot.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
+            slot.q_norm = None if layer.q_norm is None else layer.q_norm.data_ptr()
+            slot.k_norm = None if layer.k_norm is None else layer.k_norm.data_ptr()
             slot.k_cache, slot.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
         stride = kv_caches[0][0].stride()
         self._c_dims = _Dims(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate, d.qkv_width,
                              d.o_width, d.gate_up_width, d.down_width, kv_caches[0].shape[2], stride[0], stride[1],
-                             stride[2], d.eps, d.scale)
+                             stride[2], d.eps, d.scale, d.qk_eps)
         self._c_layers, self._kv_key = arr, key
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -184,8 +191,10 @@ class LlamaDecodeKernel:
         if all_reduce is not None and not dims.o_width == dims.down_width == dims.hidden:
             raise ValueError("a tensor-parallel decode stack needs a hidden size that is a multiple of 32")
         for layer in layers:
+            if (layer.q_norm is None) != (layer.k_norm is None):
+                raise ValueError("pass both per-head norms, or neither")
             for t in (layer.input_norm, layer.post_norm, layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down,
-                      layer.qkv_bias):
+                      layer.qkv_bias, layer.q_norm, layer.k_norm):
                 if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous()):
                     raise ValueError("the fused decode step takes contiguous bf16 weights")
         return DecodeStack(self._fn, self._half, layers, dims, all_reduce)

@@ -1,7 +1,7 @@
 """RMSNorm with the mean square accumulated in float32, as Hugging Face computes it.
 
 On CPU the C kernel of :mod:`aserve.kernels.cpu_fused_ops` does it in one call, with
-the residual add before it. Otherwise two torch forms, picked by batch size. Up to
+the residual add before it (per-head norms, [T, H, D], as [T * H, D] rows). Otherwise two torch forms, picked by batch size. Up to
 :data:`FUSED_MAX_TOKENS` rows (decode steps) ``torch.rms_norm``, one fused op, saves the
 ~5 small ops of the written-out form (3-5 us a call on this CPU) and gives Hugging
 Face's float32 values exactly. Above that the
@@ -47,6 +47,12 @@ class RMSNorm(nn.Module):
         if ops is not None and ops.supports(x) and (residual is None or ops.supports(residual)):
             out, new_residual = ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, new_residual)
+        if ops is not None and residual is None and x.dim() > 2:
+            # Per-head norms (Qwen3's q/k norm on [T, H, D]): the same kernel on [T * H, D]
+            # rows, so the one-call decode step (which norms the heads in place) agrees.
+            rows = x.reshape(-1, x.shape[-1])
+            if ops.supports(rows):
+                return ops.rms_norm(rows, self.weight, self.eps)[0].view(x.shape)
         if residual is None:
             return self._norm(x)
         x = x + residual

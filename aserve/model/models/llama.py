@@ -127,8 +127,8 @@ class LlamaModel(nn.Module):
     def attach_decode_stack(self, kernel: LlamaDecodeKernel) -> bool:
         """Run decode steps through ``kernel`` (one C call for every layer) if this
         model's layers are exactly what it computes: Llama layers (no biases but on
-        q/k/v, as Qwen2 has; no q/k norm), every linear on AMX, the C norm, rotary and
-        SiLU kernels attached; with tensor parallelism, a hidden size that is a multiple
+        q/k/v, as Qwen2 has; Qwen3's per-head q/k norms), every linear on AMX, the C
+        norm, rotary and SiLU kernels attached; with tensor parallelism, a hidden size that is a multiple
         of 32 (the summed outputs are then unpadded). Returns whether it was attached."""
         layers = list(self.layers)
         if not layers or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
@@ -138,20 +138,25 @@ class LlamaModel(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
-                    or type(mlp).forward is not LlamaMLP.forward or attn.use_qk_norm or attn.rotary is not self.rotary
+                    or type(mlp).forward is not LlamaMLP.forward or attn.rotary is not self.rotary
                     or any(lin.amx is None or lin.tp is not attn.o_proj.tp for lin in linears)
                     or any(lin.bias is not None for lin in linears[1:])
                     or mlp.fused_ops is None
-                    or any(n.fused_ops is None for n in (layer.input_layernorm, layer.post_attention_layernorm))):
+                    or any(n.fused_ops is None for n in (layer.input_layernorm, layer.post_attention_layernorm))
+                    or (attn.use_qk_norm and (attn.q_norm.fused_ops is None or attn.k_norm.fused_ops is None))):
                 return False
             tensors.append(LayerTensors(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
                                         attn.qkv_proj.amx_weight, attn.o_proj.amx_weight, mlp.gate_up_proj.amx_weight,
                                         mlp.down_proj.amx_weight,
-                                        None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data))
+                                        None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data,
+                                        attn.q_norm.weight.data if attn.use_qk_norm else None,
+                                        attn.k_norm.weight.data if attn.use_qk_norm else None))
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         norms = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
-        if len(norms) != 1:
+        qk_norms = {n.eps for layer in layers if layer.self_attn.use_qk_norm
+                    for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)}
+        if len(norms) != 1 or len(qk_norms) > 1:
             return False
         tp = attn.o_proj.tp
         hidden = first.input_layernorm.weight.shape[0]
@@ -162,7 +167,7 @@ class LlamaModel(nn.Module):
             head_dim=attn.head_dim, intermediate=mlp.gate_up_proj.out_rows // 2,
             qkv_width=padded_width(attn.qkv_proj.out_rows), o_width=padded_width(attn.o_proj.out_rows),
             gate_up_width=padded_width(mlp.gate_up_proj.out_rows), down_width=padded_width(mlp.down_proj.out_rows),
-            eps=norms.pop(), scale=attn.attn.scale,
+            eps=norms.pop(), scale=attn.attn.scale, qk_eps=qk_norms.pop() if qk_norms else 0.0,
         ), all_reduce=tp.all_reduce if tp.size > 1 else None)
         return True
 

@@ -16,7 +16,8 @@
  * and the caller applies the final norm to (x, residual). With tensor parallelism each
  * layer is two calls (aserve_llama_decode_half), the caller all-reducing o_proj's and
  * down_proj's outputs between them. Only for what the layer-by-layer path would run on
- * the same kernels: bf16 weights packed for AMX, no biases but on q/k/v, decode rows only (aserve/kernels/llama_decode.py checks).
+ * the same kernels: bf16 weights packed for AMX, no biases but on q/k/v, decode rows
+ * only (aserve/kernels/llama_decode.py and LlamaModel.attach_decode_stack check).
  *
  * The kernels are compiled into this library from their own files (built by
  * aserve/kernels/cbuild.py, whose cache key covers them).
@@ -95,7 +96,8 @@ static int attention_half(const LayerWeights *layers, int64_t i, const Dims *d, 
     if (w->q_norm) { /* in place, a token's heads as rows D apart: the kernel's per-row arithmetic */
         for (int64_t t = 0; t < B; t++) {
             uint16_t *row = s->qkv + t * d->qkv_width;
-            if ((rc = aserve_rms_norm(row, d->D, NULL, 0, NULL, w->q_norm, row, d->Hq, d->D, d->qk_eps, 1, 1))) return rc;
+            if ((rc = aserve_rms_norm(row, d->D, NULL, 0, NULL, w->q_norm, row, d->Hq, d->D, d->qk_eps, 1, 1)))
+                return rc;
             if ((rc = aserve_rms_norm(row + q_size, d->D, NULL, 0, NULL, w->k_norm, row + q_size, d->Hk, d->D,
                                       d->qk_eps, 1, 1)))
                 return rc;

@@ -32,8 +32,8 @@ _ALIGN = 32  # bf16 elements: each scratch region starts on a 64-byte line
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("input_norm", "post_norm", "w_qkv", "w_o", "w_gate_up", "w_down", "qkv_bias", "q_norm", "k_norm", "k_cache",
-                 "v_cache")]
+                ("input_norm", "post_norm", "w_qkv", "w_o", "w_gate_up", "w_down", "qkv_bias", "q_norm", "k_norm",
+                 "k_cache", "v_cache")]
 
 
 class _Dims(ctypes.Structure):

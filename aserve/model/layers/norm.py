@@ -1,11 +1,11 @@
 """RMSNorm with the mean square accumulated in float32, as Hugging Face computes it.
 
 On CPU the C kernel of :mod:`aserve.kernels.cpu_fused_ops` does it in one call, with
-the residual add before it (per-head norms, [T, H, D], as [T * H, D] rows). Otherwise two torch forms, picked by batch size. Up to
-:data:`FUSED_MAX_TOKENS` rows (decode steps) ``torch.rms_norm``, one fused op, saves the
-~5 small ops of the written-out form (3-5 us a call on this CPU) and gives Hugging
-Face's float32 values exactly. Above that the
-written-out form: the fused op takes 2-3x longer on a prefill-sized batch ([4096, 1024]:
+the residual add before it (per-head norms, [T, H, D], as [T * H, D] rows). Otherwise
+two torch forms, picked by batch size. Up to :data:`FUSED_MAX_TOKENS` rows (decode
+steps) ``torch.rms_norm``, one fused op, saves the ~5 small ops of the written-out form
+(3-5 us a call on this CPU) and gives Hugging Face's float32 values exactly. Above that
+the written-out form: the fused op takes 2-3x longer on a prefill-sized batch ([4096, 1024]:
 9.5 ms against 4.1 ms in float32, 11.9 against 4.0 in bf16). It rounds the scale to the
 activation dtype before it multiplies, which in bf16 differs from Hugging Face's order
 by at most one rounding.

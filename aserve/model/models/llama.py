@@ -128,8 +128,9 @@ class LlamaModel(nn.Module):
         """Run decode steps through ``kernel`` (one C call for every layer) if this
         model's layers are exactly what it computes: Llama layers (no biases but on
         q/k/v, as Qwen2 has; Qwen3's per-head q/k norms), every linear on AMX, the C
-        norm, rotary and SiLU kernels attached; with tensor parallelism, a hidden size that is a multiple
-        of 32 (the summed outputs are then unpadded). Returns whether it was attached."""
+        norm, rotary and SiLU kernels attached; with tensor parallelism, a hidden size
+        that is a multiple of 32 (the summed outputs are then unpadded). Returns whether
+        it was attached (only bf16 weights are: the stack checks)."""
         layers = list(self.layers)
         if not layers or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
             return False
@@ -174,10 +175,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.gather(positions)  # once for all layers
-        if (self.decode_stack is not None and not meta.prefills and meta.decode_kernel is not None
-                and meta.decode_block_table is not None and meta.decode_seq_lens is not None
-                and x.dtype == torch.bfloat16):
+        if self.decode_stack is not None and not meta.prefills and meta.decode_kernel is not None:
             # Decode rows only: every layer in one C call, bit-identical to the loop below.
+            # The runner gives the C attention kernel its table and lengths.
+            assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
             x, residual = self.decode_stack.run(x, rope[0], rope[1], [kv.paged for kv in kv_caches],
                                                 meta.decode_block_table, meta.decode_seq_lens)
             return self.norm(x, residual)[0]

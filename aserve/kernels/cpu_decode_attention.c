@@ -19,6 +19,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu_kernels.h"
 
@@ -43,6 +46,11 @@ typedef struct {
     int num_threads;
 } Args;
 
+/* A task: sequence b, KV heads [hk0, hk1). */
+typedef struct {
+    int64_t b, hk0, hk1;
+} Task;
+
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float s = 0.f;
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
@@ -66,7 +74,8 @@ static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int64_t n) 
 /* Sequence b, KV heads [hk0, hk1): reads each token's row of those heads in one pass,
  * in memory order, so the hardware prefetcher streams the blocks. */
 static inline __attribute__((always_inline)) void one_task(const Args *a, int64_t b, int64_t hk0, int64_t hk1,
-                                                             const int64_t D, const int is_bf16) {
+                                                             const Task *next, const int64_t D, const int is_bf16) {
+    (void)next; /* no software prefetch here */
     const int64_t G = a->Hq / a->Hk, bs = a->block_size;
     const int64_t NH = (hk1 - hk0) * G; /* query heads of this task */
     const int64_t L = a->seq_lens[b];
@@ -163,7 +172,9 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
  *   3. the weighted values, 16 tokens at a time (a lone head with two accumulators).
  * Passes 1 and 3 read the chunk's rows in memory order and prefetch two groups ahead,
  * spread over the heads (the next block is usually on another page, where the hardware
- * prefetcher stops). Both take the query heads that share a KV head (grouped-query
+ * prefetcher stops). Near a pass's end the lookahead runs on into the rows read next:
+ * the chunk's values, then the next chunk's keys or the first keys of the thread's next
+ * task, so no pass starts cold (152M shape, two threads: 2-3% a layer). Both take the query heads that share a KV head (grouped-query
  * attention) in groups of GB, a power of two whose rows fit 16 registers: each key or
  * value row is loaded and widened once per group, not once per query head (one thread,
  * 32 rows of 192 tokens: 4 query heads on 2 KV heads 194-220 -> 167-190 us a layer, 16
@@ -309,7 +320,7 @@ static inline __attribute__((always_inline)) void value_group(const ValueArgs *v
 }
 
 static inline __attribute__((always_inline)) void one_task_avx512(const Args *a, int64_t b, int64_t hk0, int64_t hk1,
-                                                                    const int64_t D, const int is_bf16) {
+                                                                    const Task *next, const int64_t D, const int is_bf16) {
     const int64_t G = a->Hq / a->Hk, bs = a->block_size, nv = D / 16, elt = is_bf16 ? 2 : 4;
     const int64_t NH = (hk1 - hk0) * G;
     /* Query heads of one KV head taken together: their rows (or accumulators) in at most
@@ -318,6 +329,8 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
     while (GB > 1 && (G % GB || GB * nv > 16)) GB /= 2;
     const int64_t L = a->seq_lens[b];
     const int64_t *table = a->block_table + b * a->max_blocks;
+    const int64_t *next_table = next != NULL ? a->block_table + next->b * a->max_blocks : NULL;
+    const int64_t next_L = next != NULL ? a->seq_lens[next->b] : 0;
     float acc[MAX_HEADS][MAX_DIM] __attribute__((aligned(64)));
     float s[MAX_HEADS][CHUNK] __attribute__((aligned(64)));
     float m[MAX_HEADS], l[MAX_HEADS], mx[MAX_HEADS];
@@ -337,7 +350,8 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
     }
     const char *kbase = (const char *)a->k, *vbase = (const char *)a->v;
     for (int64_t c0 = 0; c0 < L; c0 += CHUNK) {
-        const int64_t n = L - c0 < CHUNK ? L - c0 : CHUNK;
+        const int64_t n = L - c0 < CHUNK ? L - c0 : CHUNK, n16 = (n + 15) & ~(int64_t)15;
+        const int last_chunk = c0 + CHUNK >= L;
         /* Two groups past the chunk too, for prefetching (clamped to the sequence). */
         const int64_t n_ahead = L - c0 < CHUNK + 32 ? L - c0 : CHUNK + 32;
         /* One division per block, not per token (bs is not a compile-time constant:
@@ -361,8 +375,12 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
             const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
             for (int64_t hk = 0; hk < hk1 - hk0; hk++) {
                 const int64_t head_off = hk * a->kv_stride_head * elt;
-                for (int64_t t = t0 + 32; t < t0 + 48 && t < n_ahead; t++)
-                    for (int64_t off = 0; off < D * elt; off += 64) _mm_prefetch(kbase + row[t] + head_off + off, _MM_HINT_T0);
+                for (int64_t t = t0 + 32; t < t0 + 48; t++) {
+                    /* Past the chunk's keys, its first values (the value pass comes next). */
+                    const char *p = t < n ? kbase + row[t] : t - n16 >= 0 && t - n16 < n ? vbase + row[t - n16] : NULL;
+                    if (p != NULL)
+                        for (int64_t off = 0; off < D * elt; off += 64) _mm_prefetch(p + head_off + off, _MM_HINT_T0);
+                }
                 for (int64_t g0 = 0; g0 < G; g0 += GB) {
                     const ScoreArgs sa = {a, b, (hk0 + hk) * G + g0, kbase + head_off, row + t0, cnt, s, mx, hk * G + g0, t0};
                     switch (GB) { /* a constant group size keeps the query rows in registers */
@@ -397,8 +415,20 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
             const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
             for (int64_t hk = 0; hk < hk1 - hk0; hk++) {
                 const int64_t head_off = hk * a->kv_stride_head * elt;
-                for (int64_t t = t0 + 32; t < t0 + 48 && t < n_ahead; t++)
-                    for (int64_t off = 0; off < D * elt; off += 64) _mm_prefetch(vbase + row[t] + head_off + off, _MM_HINT_T0);
+                for (int64_t t = t0 + 32; t < t0 + 48; t++) {
+                    /* Past the chunk's values, the keys read next: the next chunk's, or
+                       after the last chunk the first keys of this thread's next task. */
+                    const char *p = NULL;
+                    if (t < n) p = vbase + row[t] + head_off;
+                    else if (t - n16 >= 0 && n + t - n16 < n_ahead) p = kbase + row[n + t - n16] + head_off;
+                    else if (next != NULL && last_chunk && t - n16 >= 0 && t - n16 < next_L && next->hk0 + hk < next->hk1) {
+                        const int64_t u = t - n16;
+                        p = kbase + (next_table[u / bs] * a->kv_stride_block + (u % bs) * a->kv_stride_token
+                                     + (next->hk0 + hk) * a->kv_stride_head) * elt;
+                    }
+                    if (p != NULL)
+                        for (int64_t off = 0; off < D * elt; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+                }
                 for (int64_t g0 = 0; g0 < G; g0 += GB) {
                     const ValueArgs va = {vbase + head_off, row + t0, cnt, s, acc, hk * G + g0, t0};
                     switch (GB) {
@@ -431,15 +461,18 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
 #define CALL_BY_SIZE(task)                                                                         \
     do {                                                                                           \
         if (a->D == 64) {                                                                          \
-            if (a->is_bf16) task(a, b, hk0, hk1, 64, 1); else task(a, b, hk0, hk1, 64, 0);         \
+            if (a->is_bf16) task(a, b, hk0, hk1, next, 64, 1); else task(a, b, hk0, hk1, next, 64, 0); \
         } else if (a->D == 128) {                                                                  \
-            if (a->is_bf16) task(a, b, hk0, hk1, 128, 1); else task(a, b, hk0, hk1, 128, 0);       \
+            if (a->is_bf16) task(a, b, hk0, hk1, next, 128, 1);                                   \
+            else task(a, b, hk0, hk1, next, 128, 0);                                               \
         } else {                                                                                   \
-            if (a->is_bf16) task(a, b, hk0, hk1, a->D, 1); else task(a, b, hk0, hk1, a->D, 0);     \
+            if (a->is_bf16) task(a, b, hk0, hk1, next, a->D, 1);                                  \
+            else task(a, b, hk0, hk1, next, a->D, 0);                                              \
         }                                                                                          \
     } while (0)
 
-static void dispatch_task(const Args *a, int64_t b, int64_t hk0, int64_t hk1) {
+/* next: the task this thread runs after this one (NULL if none), for prefetching. */
+static void dispatch_task(const Args *a, int64_t b, int64_t hk0, int64_t hk1, const Task *next) {
 #if defined(__AVX512F__)
     if (a->D % 32 == 0) { /* bf16 rows are read 32 elements at a time */
         CALL_BY_SIZE(one_task_avx512);
@@ -461,11 +494,22 @@ static void run_tasks(const Args *a) {
     const int64_t tasks = a->B * chunks;
     /* OpenMP from the libgomp torch already loaded (same soname), so these are torch's
        own intra-op threads, not a second pool competing with them for the cores. */
-#pragma omp parallel for num_threads(a->num_threads) schedule(static) if (a->num_threads > 1 && tasks > 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t b = task / chunks, c = task % chunks;
-        const int64_t hk0 = a->Hk * c / chunks, hk1 = a->Hk * (c + 1) / chunks;
-        dispatch_task(a, b, hk0, hk1);
+    /* Each thread takes a contiguous range of tasks, so it knows the next one it runs
+       and can prefetch that task's first keys while it finishes the current one. */
+#pragma omp parallel num_threads(a->num_threads) if (a->num_threads > 1 && tasks > 1)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int64_t first = tasks * t / nt, last = tasks * (t + 1) / nt;
+        for (int64_t task = first; task < last; task++) {
+            const int64_t b = task / chunks, c = task % chunks;
+            const Task next = {(task + 1) / chunks, a->Hk * ((task + 1) % chunks) / chunks,
+                               a->Hk * ((task + 1) % chunks + 1) / chunks};
+            dispatch_task(a, b, a->Hk * c / chunks, a->Hk * (c + 1) / chunks, task + 1 < last ? &next : NULL);
+        }
     }
 }
 

@@ -15,8 +15,15 @@ from tests.e2e.server import Server
 
 
 def allowed_cpus(pid: int) -> set[frozenset[int]]:
-    """The CPU sets of every thread of ``pid``."""
-    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+    """The CPU sets of every thread of ``pid`` (a thread that exits while we look is
+    left out)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(frozenset(os.sched_getaffinity(int(tid))))
+        except ProcessLookupError:
+            continue
+    return out
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores (CI and dev machines have two)")
@@ -41,7 +48,11 @@ def slices(pid: int) -> set[int]:
     """The scheduler slice (ns) of every thread of ``pid``, from ``/proc/PID/task/TID/sched``."""
     out = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
-        for line in Path(f"/proc/{pid}/task/{tid}/sched").read_text().splitlines():
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/sched").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # the thread exited while we looked
+            continue
+        for line in text.splitlines():
             if line.startswith("se.slice"):
                 out.add(int(line.split(":")[1]))
     return out

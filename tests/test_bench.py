@@ -106,7 +106,9 @@ def test_bench_serve_against_a_real_server_over_http1_and_http2(llama_dir, tmp_p
 
 @pytest.mark.parametrize("kind, extra, keys", [
     ("throughput", ["--num-prompts", "4"], {"elapsed_time", "requests_per_second", "tokens_per_second"}),
-    ("latency", ["--batch-size", "2", "--num-iters", "2"], {"avg_latency", "latencies", "percentiles", "avg_step_ms"}),
+    # 40 prompt tokens: two full KV blocks, which a second run would find cached.
+    ("latency", ["--batch-size", "2", "--num-iters", "2", "--input-len", "40"],
+     {"avg_latency", "latencies", "percentiles", "avg_step_ms", "cached_prompt_tokens"}),
 ])
 def test_offline_benchmarks(llama_dir, tmp_path, kind, extra, keys):
     out = tmp_path / "r.json"
@@ -120,3 +122,5 @@ def test_offline_benchmarks(llama_dir, tmp_path, kind, extra, keys):
         assert result["num_requests"] == 4 and result["total_num_tokens"] == 4 * (8 + 4)
     else:
         assert len(result["latencies"]) == 2 and all(x > 0 for x in result["latencies"])
+        # Every run pays for its prefill: the same prompts, but the prefix cache emptied.
+        assert result["cached_prompt_tokens"] == 0

@@ -3,7 +3,9 @@
 throughput: every prompt at once through ``LLM.generate``; requests/s and tokens/s.
 latency: one batch of ``batch_size`` prompts, generated ``num_iters`` times after
 ``num_iters_warmup``; the batch's latency and the time per decode step
-(latency / output_len). The JSON keys are vLLM's (``elapsed_time``,
+(latency / output_len). The prefix cache is emptied before every run, so each one pays
+for its prefill (the same prompts would otherwise hit the cache after the first run);
+``cached_prompt_tokens`` (0) says so in the result. The JSON keys are vLLM's (``elapsed_time``,
 ``requests_per_second``, ``tokens_per_second``; ``avg_latency``, ``latencies``,
 ``percentiles``), plus ``output_tokens_per_second`` and ``avg_step_ms``.
 """
@@ -41,13 +43,16 @@ def latency(llm: Any, *, batch_size: int, input_len: int, output_len: int, num_i
     prompts = _prompts(llm.get_tokenizer().vocab_size, batch_size, input_len, seed)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     for _ in range(num_iters_warmup):
+        llm.reset_prefix_cache()
         llm.generate(prompts, params)
-    latencies = []
+    latencies, cached = [], 0
     for _ in range(num_iters):
+        llm.reset_prefix_cache()
         start = time.perf_counter()
-        llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params)
         latencies.append(time.perf_counter() - start)
+        cached += sum(o.num_cached_tokens for o in outputs)
     arr = np.asarray(latencies)
     return {"avg_latency": float(arr.mean()), "latencies": latencies,
             "percentiles": {str(p): float(np.percentile(arr, p)) for p in (10, 25, 50, 75, 90, 99)},
-            "avg_step_ms": float(arr.mean()) * 1000 / output_len}
+            "avg_step_ms": float(arr.mean()) * 1000 / output_len, "cached_prompt_tokens": cached}

@@ -5,9 +5,11 @@ latency: one batch of ``batch_size`` prompts, generated ``num_iters`` times afte
 ``num_iters_warmup``; the batch's latency and the time per decode step
 (latency / output_len). The prefix cache is emptied before every run, so each one pays
 for its prefill (the same prompts would otherwise hit the cache after the first run);
-``cached_prompt_tokens`` (0) says so in the result. The JSON keys are vLLM's (``elapsed_time``,
-``requests_per_second``, ``tokens_per_second``; ``avg_latency``, ``latencies``,
-``percentiles``), plus ``output_tokens_per_second`` and ``avg_step_ms``.
+``cached_prompt_tokens`` (0) says so in the result.
+
+The JSON keys are vLLM's (``elapsed_time``, ``requests_per_second``,
+``tokens_per_second``; ``avg_latency``, ``latencies``, ``percentiles``), plus
+``output_tokens_per_second``, ``avg_step_ms`` and ``cached_prompt_tokens``.
 """
 
 from __future__ import annotations

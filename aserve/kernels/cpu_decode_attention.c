@@ -174,11 +174,12 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
  * spread over the heads (the next block is usually on another page, where the hardware
  * prefetcher stops). Near a pass's end the lookahead runs on into the rows read next:
  * the chunk's values, then the next chunk's keys or the first keys of the thread's next
- * task, so no pass starts cold (152M shape, two threads: 2-3% a layer). Both take the query heads that share a KV head (grouped-query
- * attention) in groups of GB, a power of two whose rows fit 16 registers: each key or
- * value row is loaded and widened once per group, not once per query head (one thread,
- * 32 rows of 192 tokens: 4 query heads on 2 KV heads 194-220 -> 167-190 us a layer, 16
- * on 2 491-534 -> 377-408 us; 32 on 8 at 512 tokens 1.43-1.49 -> 1.16 ms).
+ * task, so no pass starts cold (152M shape, two threads: 2-3% a layer). Both take the
+ * query heads that share a KV head (grouped-query attention) in groups of GB, a power of
+ * two whose rows fit 16 registers: each key or value row is loaded and widened once per
+ * group, not once per query head (one thread, 32 rows of 192 tokens: 4 query heads on
+ * 2 KV heads 194-220 -> 167-190 us a layer, 16 on 2 491-534 -> 377-408 us; 32 on 8 at
+ * 512 tokens 1.43-1.49 -> 1.16 ms).
  * The portable loop above softmaxes block by block in one chain of dependent
  * reductions; this one gives the core independent work to overlap, and reads the cache
  * at about 24 GB/s on two cores of this machine (29 GB/s is a plain read loop's) against

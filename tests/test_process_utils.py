@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+from pathlib import Path
 
-import pytest
+from tests.proc_threads import needs_custom_slices
+
+ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = r"""
 import json, os, threading
-from pathlib import Path
 from aserve.launch.process_utils import request_short_slice
-
-def slices():
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            text = Path(f"/proc/self/task/{tid}/sched").read_text()
-        except (FileNotFoundError, ProcessLookupError):  # a thread that has just exited
-            continue
-        for line in text.splitlines():
-            if line.startswith("se.slice"):
-                out[tid] = int(line.split(":")[1])
-    return out
+from tests.proc_threads import thread_slices as slices
 
 def own_nice():
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -47,12 +37,13 @@ print(json.dumps({"done": done, "default": sorted(default), "now": sorted(set(se
 """
 
 
-@pytest.mark.skipif(tuple(int(x) for x in os.uname().release.split(".")[:2]) < (6, 12),
-                    reason="custom scheduler slices need Linux 6.12 (CI and dev machines run 6.18)")
+@needs_custom_slices
 def test_short_slice_for_every_thread_keeps_nice():
     """Both threads that exist take the slice, a thread started later inherits it, and
     the nice value the process had is kept (sched_setattr would otherwise reset it)."""
-    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, check=True, timeout=60)
+    # From the repository root, so the child imports the same tests.proc_threads.
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, check=True, timeout=60,
+                         cwd=ROOT)
     got = json.loads(out.stdout)
     assert got["done"] == 2
     assert got["default"] != [250_000]

@@ -12,6 +12,7 @@ import pytest
 
 from aserve.engine.core_process import ENGINE_CORE_SLICE_NS
 from tests.e2e.server import Server
+from tests.proc_threads import needs_custom_slices, thread_slices
 
 
 def allowed_cpus(pid: int) -> set[frozenset[int]]:
@@ -45,21 +46,11 @@ def test_one_thread_worker_gets_a_core_of_its_own(llama_dir: Path):
 
 
 def slices(pid: int) -> set[int]:
-    """The scheduler slice (ns) of every thread of ``pid``, from ``/proc/PID/task/TID/sched``."""
-    out = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            text = Path(f"/proc/{pid}/task/{tid}/sched").read_text()
-        except (FileNotFoundError, ProcessLookupError):  # the thread exited while we looked
-            continue
-        for line in text.splitlines():
-            if line.startswith("se.slice"):
-                out.add(int(line.split(":")[1]))
-    return out
+    """The scheduler slices (ns) of ``pid``'s threads."""
+    return set(thread_slices(pid).values())
 
 
-@pytest.mark.skipif(tuple(int(x) for x in os.uname().release.split(".")[:2]) < (6, 12),
-                    reason="custom scheduler slices need Linux 6.12 (CI and dev machines run 6.18)")
+@needs_custom_slices
 def test_engine_core_threads_run_with_a_short_slice(llama_dir: Path):
     default = slices(os.getpid())
     server = Server(llama_dir, "--worker-threads", "1")

@@ -123,15 +123,23 @@ def cpu_has_amx() -> bool:
     return {"amx_tile", "amx_bf16"} <= set(flags.split(":", 1)[1].split())
 
 
-def load() -> AmxLinear | None:
-    """The kernel, or None where it is unavailable or switched off."""
-    env = read_env()
-    if not env.cpu_amx or not cpu_has_amx():
+def load_amx_library(source: Path, cache_dir: Path, what: str) -> ctypes.CDLL | None:
+    """The library built from ``source`` (a kernel on AMX tiles, exporting
+    ``aserve_amx_init``), with the tile state granted to this process; None without AMX,
+    without a compiler, or when Linux refuses the tile state."""
+    if not cpu_has_amx():
         return None
-    lib = load_library(_SOURCE, env.cache_dir / "kernels", "bf16 linear layers (AMX)")
+    lib = load_library(source, cache_dir, what)
     if lib is None:
         return None
     lib.aserve_amx_init.restype = ctypes.c_int
-    if not lib.aserve_amx_init():  # the kernel refused this process the tile state
+    return lib if lib.aserve_amx_init() else None
+
+
+def load() -> AmxLinear | None:
+    """The kernel, or None where it is unavailable or switched off."""
+    env = read_env()
+    if not env.cpu_amx:
         return None
-    return AmxLinear(lib)
+    lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "bf16 linear layers (AMX)")
+    return None if lib is None else AmxLinear(lib)

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels.cpu_decode_attention import DecodeAttention
+from aserve.kernels.cpu_prefill_attention import PrefillAttention
+from aserve.kernels.cpu_prefill_attention import supports as prefill_kernel_supports
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class AttentionMetadata:
     # these lengths ([num_decode] int64, the new token included).
     decode_kernel: DecodeAttention | None = None
     decode_seq_lens: torch.Tensor | None = None
+    # The C kernel (aserve.kernels.cpu_prefill_attention), when the runner has it: every
+    # prefill chunk with nothing cached before it, in one call.
+    prefill_kernel: PrefillAttention | None = None
 
 
 @dataclass
@@ -122,9 +127,15 @@ def paged_attention(
             return o
         out[:nd] = o
     assert out is not None
+    prefills = meta.prefills
+    if meta.prefill_kernel is not None and prefill_kernel_supports(q, k):
+        fresh = [c for c in prefills if c.block_ids is None]
+        if fresh:
+            meta.prefill_kernel(q, k, v, out, [c.start for c in fresh], [c.end - c.start for c in fresh], scale)
+            prefills = tuple(c for c in prefills if c.block_ids is not None)
     # Prefill tensors are 4-D ([1, H, S, D]): the CPU flash kernel takes only those,
     # and 3-D inputs fall back to the much slower math path.
-    for chunk in meta.prefills:
+    for chunk in prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, S, D]
         if chunk.block_ids is None:
             kc = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)

@@ -28,14 +28,12 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "cpu_kernels.h"
+
 /* Bytes of weights prefetched ahead of the block being loaded. One row tile (M <= 16):
  * into L1, 4 KiB ahead. Two row tiles: into L2 only, 8 KiB ahead, which leaves L1's
  * fill buffers to the tile loads while the doubled tile arithmetic runs. Measured on 12
@@ -46,17 +44,7 @@
 #define PREFETCH_AHEAD_L2 8192
 
 /* 1 when this process may use AMX tiles (asks the kernel once; idempotent). */
-int aserve_amx_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
+int aserve_amx_init(void) { return amx_request_tiles(); }
 
 /* Pack W [N, K] (rows `w_stride` elements apart) into `out` (N * K elements). */
 void aserve_amx_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_t N, int64_t K) {
@@ -77,7 +65,7 @@ void aserve_amx_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_t
 static void configure(int rows0, int rows1) {
     /* Tiles 0-3: accumulators (row tile a, column tile b at 2a + b); 4-5: rows 0-15 and
      * 16-31 of a chunk of x; 6-7: the two weight tiles of a block. */
-    tile_config cfg;
+    amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;

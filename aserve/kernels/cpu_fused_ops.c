@@ -42,19 +42,6 @@ static inline __m512 load16(const void *p, int is_bf16) {
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* Round to nearest even bf16, as float_to_bf16 does for every value but NaN. Where the CPU
- * has AVX512-BF16 that is one instruction (vcvtneps2bf16) instead of five. */
-static inline __m256i to_bf16x16(__m512 v) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-#endif
-}
-
 /* 1 / x to within about a float rounding: the 14-bit estimate and one Newton step. A
  * 512-bit division issues once every ~16 cycles; this is three instructions that pipeline. */
 static inline __m512 recip16(__m512 x) {

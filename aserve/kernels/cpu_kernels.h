@@ -4,10 +4,27 @@
 #define ASERVE_CPU_KERNELS_H
 
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+/* AMX: a tile configuration (palette 1), and the request for the tile state that Linux
+ * wants from a process before its first tile instruction (idempotent; 1 when granted).
+ * Each AMX library exports it as aserve_amx_init. */
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_tile_config;
+
+static inline int amx_request_tiles(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
 
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } x;
@@ -59,6 +76,19 @@ static inline __m512 exp16_clamped(__m512 x) { /* lane-wise exp_clamped */
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* Round to nearest even bf16, as float_to_bf16 does for every value but NaN. Where the CPU
+ * has AVX512-BF16 that is one instruction (vcvtneps2bf16) instead of five. */
+static inline __m256i to_bf16x16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
 }
 #endif
 

@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 
 from aserve.envs import read_env
-from aserve.kernels.amx_linear import cpu_has_amx
-from aserve.kernels.cbuild import load_library
+from aserve.kernels.amx_linear import load_amx_library
 
 _SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
 _ALIGN = 32  # bf16 elements: each scratch region starts on a 64-byte line
@@ -205,12 +204,5 @@ def load() -> LlamaDecodeKernel | None:
     env = read_env()
     if not env.cpu_fused_decode or not env.cpu_amx or not env.cpu_fused_ops or env.cpu_attention == "sdpa":
         return None
-    if not cpu_has_amx():
-        return None
-    lib = load_library(_SOURCE, env.cache_dir / "kernels", "the fused decode step")
-    if lib is None:
-        return None
-    lib.aserve_amx_init.restype = ctypes.c_int
-    if not lib.aserve_amx_init():
-        return None
-    return LlamaDecodeKernel(lib)
+    lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "the fused decode step")
+    return None if lib is None else LlamaDecodeKernel(lib)

@@ -20,6 +20,8 @@ from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, gather_numel
 from aserve.kernels.cpu_decode_attention import DecodeAttention
 from aserve.kernels.cpu_decode_attention import load as load_decode_kernel
+from aserve.kernels.cpu_prefill_attention import PrefillAttention
+from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.sampling_params import SamplingParams
 from aserve.worker.decode_staging import DecodeStaging
 from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
@@ -48,6 +50,8 @@ class ModelRunner:
         # over the paged cache where it builds (float32 and bfloat16), else SDPA over
         # dense staged copies (use_decode_staging) or over gathered blocks.
         self.decode_kernel: DecodeAttention | None = None
+        # Prompts with nothing cached before them: the AMX kernel (bf16), else SDPA.
+        self.prefill_kernel: PrefillAttention | None = None
         self.use_decode_staging = use_decode_staging
         self.staging: DecodeStaging | None = None
 
@@ -67,6 +71,8 @@ class ModelRunner:
         self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
         if dtype in (torch.float32, torch.bfloat16):  # the pool is host memory: the CPU kernel applies
             self.decode_kernel = load_decode_kernel()
+        if dtype == torch.bfloat16:
+            self.prefill_kernel = load_prefill_kernel()
         if self.use_decode_staging and self.decode_kernel is None:
             self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -169,6 +175,7 @@ class ModelRunner:
             decode_rows=decode_rows, decode_write_index=decode_write_index,
             decode_rows_packed=staged_rows is not None and staged_rows == list(range(num_decode)),
             decode_len=length, decode_kernel=self.decode_kernel, decode_seq_lens=seq_lens,
+            prefill_kernel=self.prefill_kernel,
         )
 
         hidden = self.model(torch.tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]

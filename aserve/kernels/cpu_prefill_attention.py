@@ -1,0 +1,85 @@
+"""Builds and calls the C prefill-attention kernel (``cpu_prefill_attention.c``): causal
+attention of prompts with nothing cached before them, bf16, on AMX tiles.
+
+torch's CPU flash kernel, called once per prompt, ran a 7M model's prefill attention at
+~110 GFLOP/s; the C kernel does both products on AMX and takes every fresh prompt of a
+step in one call. Chunks after cached context (prefix hits, chunked prefill) stay on
+SDPA in :func:`aserve.kernels.attention.paged_attention`.
+
+Built on first use like the other kernels (:mod:`aserve.kernels.cbuild`). :func:`load`
+returns None without AMX, without a compiler, with ``ASERVE_CPU_AMX=0`` or with
+``ASERVE_CPU_ATTENTION=sdpa``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from aserve.envs import read_env
+from aserve.kernels.amx_linear import load_amx_library
+
+_SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
+MAX_HEAD_DIM = 256
+
+#: ``attend(q, k, v, out, starts, lens, scale)``: see :func:`load`.
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int], Sequence[int],
+                             float], None]
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel takes queries and keys of these shapes and dtype."""
+    d = q.shape[-1]
+    return (q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and d % 32 == 0 and d <= MAX_HEAD_DIM
+            and q.shape[1] % k.shape[1] == 0)
+
+
+def load() -> PrefillAttention | None:
+    """The kernel as ``attend(q, k, v, out, starts, lens, scale)``, or None where it is
+    unavailable or switched off.
+
+    ``q``, ``out``: [T, Hq, D]; ``k``, ``v``: [T, Hk, D], all bf16 with heads and D
+    contiguous (tokens may be strided), Hq a multiple of Hk and D of 32 (see
+    :func:`supports`). For each prompt ``i``, tokens ``starts[i] .. starts[i] + lens[i]
+    - 1`` attend causally to each other and nothing else; their rows of ``out`` are
+    written, other rows are left alone.
+    """
+    env = read_env()
+    if env.cpu_attention == "sdpa" or not env.cpu_amx:
+        return None
+    lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "prefill attention (AMX)")
+    if lib is None:
+        return None
+    fn = lib.aserve_prefill_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: Sequence[int],
+               lens: Sequence[int], scale: float) -> None:
+        if not supports(q, k) or v.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+            raise ValueError(f"prefill attention takes bf16 with head_dim a multiple of 32 up to {MAX_HEAD_DIM}, "
+                             f"query heads a multiple of KV heads (got {q.dtype}, {tuple(q.shape)}, {tuple(k.shape)})")
+        for t in (q, k, v, out):
+            if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+                raise ValueError("prefill attention needs each token's heads contiguous")
+        if v.shape != k.shape or q.shape[0] != k.shape[0] or out.shape != q.shape:
+            raise ValueError("q and out must be [T, Hq, D], k and v [T, Hk, D]")
+        n = len(starts)
+        if len(lens) != n:
+            raise ValueError("starts and lens differ in length")
+        total = q.shape[0]
+        if any(s < 0 or n_ < 0 or s + n_ > total for s, n_ in zip(starts, lens)):
+            raise ValueError("a prompt runs past the batch")
+        c_starts = (ctypes.c_int64 * max(n, 1))(*starts)
+        c_lens = (ctypes.c_int64 * max(n, 1))(*lens)
+        _, hq, d = q.shape
+        rc = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
+                out.stride(0), c_starts, c_lens, n, hq, k.shape[1], d, scale, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("prefill attention could not allocate its scratch memory")
+
+    return attend

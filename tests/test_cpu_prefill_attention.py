@@ -1,0 +1,138 @@
+"""The C prefill-attention kernel (aserve/kernels/cpu_prefill_attention.py): causal
+attention of fresh prompts on AMX, against a float64 reference and torch's SDPA, and
+its use by paged_attention and the model runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aserve import LLM, SamplingParams
+from aserve.kernels import amx_linear
+from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, paged_attention
+from aserve.kernels.cpu_prefill_attention import load
+
+pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (CI and dev machines do)")
+
+
+@pytest.fixture(scope="module")
+def attend():
+    kernel = load()
+    assert kernel is not None
+    return kernel
+
+
+def exact(q, k, v, scale, context_k=None, context_v=None):
+    """One prompt's causal attention in float64 ([n, H, D] each); keys and values after
+    any cached context."""
+    if context_k is not None:
+        k, v = torch.cat([context_k, k]), torch.cat([context_v, v])
+    rep = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    n, total = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(torch.arange(total) > (total - n + torch.arange(n)).unsqueeze(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def sdpa(q, k, v, scale):
+    heads = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    return F.scaled_dot_product_attention(*heads, is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens,hq,hk,d", [
+    ([128, 128, 128], 4, 2, 64),      # the 7M model's shape
+    ([1, 15, 16, 17, 33, 70], 4, 4, 64),  # lengths around the 16-row and 32-key blocks
+    ([40, 9], 8, 1, 32),              # eight query heads on one KV head
+    ([57], 8, 2, 128),
+    ([300], 2, 2, 256),
+])
+def test_matches_the_exact_result_as_closely_as_sdpa(attend, set_threads, threads, lens, hq, hk, d):
+    set_threads(threads)
+    g = torch.Generator().manual_seed(sum(lens) + d)
+    total = sum(lens) + 3
+    # q, k and v as views of one projection output, tokens strided as in the model.
+    qkv = torch.randn(total, (hq + 2 * hk) * d, generator=g).to(torch.bfloat16)
+    q = qkv[:, : hq * d].view(total, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(total, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(total, hk, d)
+    starts = [2 + sum(lens[:i]) for i in range(len(lens))]  # rows 0-1 and the last belong to no prompt
+    out = torch.full((total, hq, d), 7.0, dtype=torch.bfloat16)
+    scale = d**-0.5
+    attend(q, k, v, out, starts, lens, scale)
+    for s, n in zip(starts, lens):
+        want = exact(q[s : s + n], k[s : s + n], v[s : s + n], scale)
+        err = (out[s : s + n].double() - want).abs().max().item()
+        sdpa_err = (sdpa(q[s : s + n], k[s : s + n], v[s : s + n], scale).double() - want).abs().max().item()
+        # bf16 output: half an ulp of values up to ~2 is 0.004; the kernel rounds its
+        # weights to bf16 before the second product, as the flash kernel does.
+        assert err <= max(1.5 * sdpa_err, 0.008), (s, n, err, sdpa_err)
+    for row in (0, 1, total - 1):
+        assert torch.all(out[row] == 7.0)  # rows outside the prompts untouched
+
+
+def test_refuses_shapes_it_does_not_take(attend):
+    q = torch.zeros(4, 2, 48, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        attend(q, q, q, torch.empty_like(q), [0], [4], 1.0)
+    q = torch.zeros(4, 2, 32)
+    with pytest.raises(ValueError):
+        attend(q, q, q, torch.empty_like(q), [0], [4], 1.0)
+    q = torch.zeros(4, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="past the batch"):
+        attend(q, q, q, torch.empty_like(q), [2], [3], 1.0)
+
+
+def test_paged_attention_sends_fresh_prompts_to_the_kernel_and_context_chunks_to_sdpa(attend):
+    g = torch.Generator().manual_seed(3)
+    hq, hk, d, block = 4, 2, 32, 4
+    chunks = (PrefillChunk(0, 6, 0, None), PrefillChunk(6, 9, 4, torch.tensor([1, 2])), PrefillChunk(9, 20, 0, None))
+    total = 20
+    q, k, v = (torch.randn(total, h, d, generator=g).to(torch.bfloat16) for h in (hq, hk, hk))
+    cache = torch.zeros(2, 16, block, hk, d, dtype=torch.bfloat16)
+    context = torch.randn(2, 4, hk, d, generator=g).to(torch.bfloat16)
+    cache[:, 1] = context  # block 1: the 4 cached tokens of the second chunk
+    slots = torch.arange(total) + 3 * block
+    slots[6:9] = torch.arange(2 * block, 2 * block + 3)  # the chunk continues in block 2
+    calls = []
+
+    def spy(*args):
+        calls.append((list(args[4]), list(args[5])))
+        attend(*args)
+
+    meta = AttentionMetadata(slots, 0, None, None, chunks, prefill_kernel=spy)
+    got = paged_attention(q, k, v, LayerKV(cache), meta, d**-0.5)
+    assert calls == [([0, 9], [6, 11])]
+    for c in chunks:
+        ctx = (context[0], context[1]) if c.block_ids is not None else (None, None)
+        want = exact(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], d**-0.5, *ctx)
+        assert (got[c.start : c.end].double() - want).abs().max().item() < 0.01
+
+
+def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    return torch.tensor([entry[prompt[pos]].logprob for pos, entry in enumerate(out.prompt_logprobs[1:], start=1)])
+
+
+def test_the_bf16_runner_uses_it_and_agrees_with_sdpa(llama_dir, monkeypatch):
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(45)]
+    llm = LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)
+    runner = llm.engine.executor.worker.runner
+    assert runner.prefill_kernel is not None
+    calls = []
+    kernel = runner.prefill_kernel
+    runner.prefill_kernel = lambda *a: calls.append(a[5]) or kernel(*a)
+    with_kernel = _prompt_logprobs(llm, prompt)
+    assert calls and all(lens == [45] for lens in calls)  # once a layer, the whole prompt
+    monkeypatch.setenv("ASERVE_CPU_ATTENTION", "sdpa")
+    plain = LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)
+    assert plain.engine.executor.worker.runner.prefill_kernel is None
+    assert (with_kernel - _prompt_logprobs(plain, prompt)).abs().max().item() < 0.05
+
+
+def test_not_loaded_for_float32(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=1 << 24)
+    assert llm.engine.executor.worker.runner.prefill_kernel is None

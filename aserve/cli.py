@@ -122,6 +122,9 @@ def _add_bench_parser(sub: Any) -> None:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--result-filename", default=None, help="write the result JSON here")
     serve.add_argument("--no-progress", action="store_true")
+    serve.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                       help="the load generator's event loop (default auto: uvloop when installed, else asyncio; "
+                            "uvloop takes ~10%% less CPU from the machine under test)")
 
     for name, text in (("throughput", "offline throughput through LLM"), ("latency", "one batch, time per step")):
         p = kinds.add_parser(name, help=text)
@@ -183,6 +186,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve_loop(loop: str) -> str:
+    """``--loop``: ``auto`` is uvloop when it is installed, else asyncio."""
+    if loop == "auto":
+        import importlib.util
+
+        return "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return loop
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -217,7 +229,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
                      temperature=args.temperature, http2=args.http2, seed=args.seed, goodput=goodput,
                      api_key=args.api_key)
     progress = None if args.no_progress else ProgressBar("requests")
-    results, duration = anyio.run(run_load, cfg, samples, tokenizer, progress)
+    options = {"use_uvloop": True} if _resolve_loop(args.loop) == "uvloop" else {}
+    results, duration = anyio.run(run_load, cfg, samples, tokenizer, progress, backend_options=options)
     result = summarize(cfg, results, duration)
     print(format_summary(result))
     if args.result_filename:
@@ -279,11 +292,7 @@ def _run(args: argparse.Namespace) -> int:
     served_model_name = args.served_model_name or model_name(args.model)
     if dp.headless:
         return run_headless(engine_kwargs, served_model_name, dp, args.log_level)
-    loop = args.loop
-    if loop == "auto":
-        import importlib.util
-
-        loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    loop = _resolve_loop(args.loop)
     cfg = ApiServerConfig(
         engine_kwargs=engine_kwargs, served_model_name=served_model_name,
         api_key=args.api_key, loop=loop, shutdown_timeout=args.shutdown_timeout,

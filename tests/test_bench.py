@@ -77,8 +77,9 @@ def test_datasets(llama_dir, tmp_path):
 def test_bench_serve_against_a_real_server_over_http1_and_http2(llama_dir, tmp_path):
     server = Server(llama_dir, "--served-model-name", str(llama_dir))
     try:
-        for flags in ([], ["--http2"]):
-            out = tmp_path / f"result{len(flags)}.json"
+        # HTTP/1.1 on the default loop (uvloop where installed) and on plain asyncio.
+        for flags in ([], ["--loop", "asyncio"], ["--http2"]):
+            out = tmp_path / f"result{'-'.join(flags)}.json"
             cmd = [sys.executable, "-m", "aserve", "bench", "serve", "--base-url", server.base_url,
                    "--model", str(llama_dir), "--random-input-len", "16", "--random-output-len", "6",
                    "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos", "--goodput", "e2el:60000",

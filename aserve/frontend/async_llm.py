@@ -23,6 +23,7 @@ Contracts:
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing as mp
@@ -95,28 +96,43 @@ class EngineAttachment:
 
 class _Wakeup:
     """A level-triggered flag one task waits on and any code in the same event loop sets;
-    ``set`` never blocks and repeated sets before a wait count once (works under asyncio
-    and Trio: the event is anyio's)."""
+    ``set`` never blocks and repeated sets before a wait count once.
 
-    __slots__ = ("_flag", "_event")
+    Every streamed request waits on one once per engine step. Under asyncio the waiter
+    is a bare future of the running loop (1.3 us a wait-and-wake on uvloop, against 3.7
+    for a fresh ``anyio.Event``, which wraps an ``asyncio.Event`` that takes a global
+    lock on its first wait); under Trio it is an ``anyio.Event``."""
+
+    __slots__ = ("_flag", "_waiter")
 
     def __init__(self) -> None:
         self._flag = False
-        self._event: anyio.Event | None = None
+        self._waiter: asyncio.Future[None] | anyio.Event | None = None
 
     def set(self) -> None:
         self._flag = True
-        if self._event is not None:
-            self._event.set()
+        waiter = self._waiter
+        if waiter is None:
+            return
+        if isinstance(waiter, asyncio.Future):
+            if not waiter.done():
+                waiter.set_result(None)
+        else:
+            waiter.set()
 
     async def wait(self) -> None:
         """Return once the flag is set (at once if it already is), clearing it."""
         if not self._flag:
-            self._event = anyio.Event()
+            loop = asyncio._get_running_loop()  # None under Trio
             try:
-                await self._event.wait()
+                if loop is not None:
+                    future = self._waiter = loop.create_future()
+                    await future
+                else:
+                    event = self._waiter = anyio.Event()
+                    await event.wait()
             finally:
-                self._event = None
+                self._waiter = None
         self._flag = False
 
 

@@ -2,7 +2,9 @@
 
 Everything the model needs from the KV cache goes through :func:`paged_attention`, so a
 CUDA build can swap in its own kernel behind the same signature. Decode rows use the C
-kernel of :mod:`aserve.kernels.cpu_decode_attention` when the runner could build it.
+kernel of :mod:`aserve.kernels.cpu_decode_attention` when the runner could build it, and
+prompts with nothing cached before them that of
+:mod:`aserve.kernels.cpu_prefill_attention` (bf16, AMX).
 
 KV cache of one layer::
 

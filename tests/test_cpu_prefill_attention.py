@@ -1,6 +1,6 @@
 """The C prefill-attention kernel (aserve/kernels/cpu_prefill_attention.py): causal
-attention of fresh prompts on AMX, against a float64 reference and torch's SDPA, and
-its use by paged_attention and the model runner."""
+attention of prefill chunks on AMX, fresh or after cached context, against a float64
+reference and torch's SDPA, and its use by paged_attention and the model runner."""
 
 from __future__ import annotations
 
@@ -74,6 +74,44 @@ def test_matches_the_exact_result_as_closely_as_sdpa(attend, set_threads, thread
         assert torch.all(out[row] == 7.0)  # rows outside the prompts untouched
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, threads):
+    set_threads(threads)
+    g = torch.Generator().manual_seed(11)
+    hq, hk, d, block, num_blocks = 8, 2, 64, 16, 64
+    # (cached tokens, chunk tokens): around block and tile edges, and one fresh prompt.
+    chunks = [(1, 1), (15, 2), (16, 17), (33, 40), (100, 5), (0, 9)]
+    cache = torch.randn(2, num_blocks, block, hk, d, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # each request's blocks scattered, block 0 unused
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, hq, d, generator=g).to(torch.bfloat16)
+    k, v = torch.empty(total, hk, d, dtype=torch.bfloat16), torch.empty(total, hk, d, dtype=torch.bfloat16)
+    starts, tables, used = [], [], 0
+    width = max(-(-(c + n) // block) for c, n in chunks)
+    for c, n in chunks:
+        start = sum(len_ for _, len_ in chunks[: len(starts)])
+        blocks = perm[used : used + -(-(c + n) // block)]
+        used += blocks.numel()
+        # The chunk's own keys and values are in its rows and, as the model writes them
+        # before attending, in the cache at positions c .. c + n - 1.
+        for t in range(n):
+            b, off = blocks[(c + t) // block], (c + t) % block
+            k[start + t], v[start + t] = cache[0, b, off], cache[1, b, off]
+        starts.append(start)
+        tables.append(torch.cat([blocks, torch.zeros(width - blocks.numel(), dtype=torch.int64)]))
+    out = torch.zeros(total, hq, d, dtype=torch.bfloat16)
+    scale = d**-0.5
+    attend(q, k, v, out, starts, [n for _, n in chunks], scale,
+           ([c for c, _ in chunks], torch.stack(tables), cache[0], cache[1]))
+    for (c, n), s, table in zip(chunks, starts, tables):
+        rows = torch.tensor([int(table[t // block]) * block + t % block for t in range(c)], dtype=torch.int64)
+        ctx_k = cache[0].reshape(-1, hk, d)[rows] if c else None
+        ctx_v = cache[1].reshape(-1, hk, d)[rows] if c else None
+        want = exact(q[s : s + n], k[s : s + n], v[s : s + n], scale, ctx_k, ctx_v)
+        err = (out[s : s + n].double() - want).abs().max().item()
+        assert err < 0.01, (c, n, err)
+
+
 def test_refuses_shapes_it_does_not_take(attend):
     q = torch.zeros(4, 2, 48, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -86,7 +124,7 @@ def test_refuses_shapes_it_does_not_take(attend):
         attend(q, q, q, torch.empty_like(q), [2], [3], 1.0)
 
 
-def test_paged_attention_sends_fresh_prompts_to_the_kernel_and_context_chunks_to_sdpa(attend):
+def test_paged_attention_sends_every_prefill_chunk_to_the_kernel(attend):
     g = torch.Generator().manual_seed(3)
     hq, hk, d, block = 4, 2, 32, 4
     chunks = (PrefillChunk(0, 6, 0, None), PrefillChunk(6, 9, 4, torch.tensor([1, 2])), PrefillChunk(9, 20, 0, None))
@@ -100,12 +138,12 @@ def test_paged_attention_sends_fresh_prompts_to_the_kernel_and_context_chunks_to
     calls = []
 
     def spy(*args):
-        calls.append((list(args[4]), list(args[5])))
+        calls.append((list(args[4]), list(args[5]), list(args[7][0])))
         attend(*args)
 
     meta = AttentionMetadata(slots, 0, None, None, chunks, prefill_kernel=spy)
     got = paged_attention(q, k, v, LayerKV(cache), meta, d**-0.5)
-    assert calls == [([0, 9], [6, 11])]
+    assert calls == [([0, 6, 9], [6, 3, 11], [0, 4, 0])]  # one call; the second chunk after 4 cached tokens
     for c in chunks:
         ctx = (context[0], context[1]) if c.block_ids is not None else (None, None)
         want = exact(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], d**-0.5, *ctx)

@@ -3,8 +3,7 @@
 Everything the model needs from the KV cache goes through :func:`paged_attention`, so a
 CUDA build can swap in its own kernel behind the same signature. Decode rows use the C
 kernel of :mod:`aserve.kernels.cpu_decode_attention` when the runner could build it, and
-prompts with nothing cached before them that of
-:mod:`aserve.kernels.cpu_prefill_attention` (bf16, AMX).
+prefill chunks that of :mod:`aserve.kernels.cpu_prefill_attention` (bf16, AMX), else SDPA.
 
 KV cache of one layer::
 
@@ -67,7 +66,8 @@ class AttentionMetadata:
     decode_kernel: DecodeAttention | None = None
     decode_seq_lens: torch.Tensor | None = None
     # The C kernel (aserve.kernels.cpu_prefill_attention), when the runner has it: every
-    # prefill chunk with nothing cached before it, in one call.
+    # prefill chunk of the step in one call, a chunk after cached context reading its
+    # keys and values from the paged cache.
     prefill_kernel: PrefillAttention | None = None
 
 
@@ -130,11 +130,18 @@ def paged_attention(
         out[:nd] = o
     assert out is not None
     prefills = meta.prefills
-    if meta.prefill_kernel is not None and prefill_kernel_supports(q, k):
-        fresh = [c for c in prefills if c.block_ids is None]
-        if fresh:
-            meta.prefill_kernel(q, k, v, out, [c.start for c in fresh], [c.end - c.start for c in fresh], scale)
-            prefills = tuple(c for c in prefills if c.block_ids is not None)
+    if prefills and meta.prefill_kernel is not None and prefill_kernel_supports(q, k):
+        context = None
+        if any(c.block_ids is not None for c in prefills):
+            rows = max(c.block_ids.numel() for c in prefills if c.block_ids is not None)
+            table = torch.zeros(len(prefills), rows, dtype=torch.int64)
+            for i, c in enumerate(prefills):
+                if c.block_ids is not None:
+                    table[i, : c.block_ids.numel()] = c.block_ids
+            context = ([c.context_len for c in prefills], table, kv_cache[0], kv_cache[1])
+        meta.prefill_kernel(q, k, v, out, [c.start for c in prefills], [c.end - c.start for c in prefills], scale,
+                            context)
+        return out
     # Prefill tensors are 4-D ([1, H, S, D]): the CPU flash kernel takes only those,
     # and 3-D inputs fall back to the much slower math path.
     for chunk in prefills:

@@ -1,14 +1,15 @@
-/* Causal attention of fresh prompts (no cached context) on CPU with AMX tiles, bf16
+/* Causal attention of prefill chunks on CPU with AMX tiles, bf16
  * (aserve/kernels/cpu_prefill_attention.py).
  *
  * Why: a prefill's attention went through torch's CPU flash kernel one prompt at a time,
  * at ~110 GFLOP/s (a 7M model's 16 x 128-token prefill: ~5.5 of ~30 ms). Here the two
  * products run on AMX tiles and only the softmax on AVX-512.
  *
- * For each prompt and KV head (one task each, split between OpenMP threads):
- *   - its keys are laid out once as K^T in AMX's B layout (per block of 16 keys and 32
- *     of D: 16 rows of dimension pairs by 16 keys), its values as B tiles of 32 keys
- *     (16 rows of key pairs) by 16 of D; keys past the prompt's end are zeros;
+ * For each chunk and KV head (one task each, split between OpenMP threads):
+ *   - its keys (the request's cached context, then the chunk's own) are laid out once as
+ *     K^T in AMX's B layout (per block of 16 keys and 32 of D: 16 rows of dimension
+ *     pairs by 16 keys), its values as B tiles of 32 keys (16 rows of key pairs) by 16
+ *     of D; keys past the end are zeros;
  *   - for each query head of the group and each block of up to 16 query rows:
  *       S = Q K^T over the keys the rows can see (causal), in float32;
  *       P = softmax(S * scale) per row, in float32, rounded to bf16 (as torch's flash
@@ -17,8 +18,12 @@
  * Scratch per task: the two layouts (2 x len x D bf16, rounded up to 32 keys) and one
  * row block's scores and weights.
  *
- * q, k, v, out: token t's head h at base + t * stride + h * D (D contiguous); prompt i
- * is tokens starts[i] .. starts[i] + lens[i] - 1. D a multiple of 32, at most 256.
+ * q, k, v, out: token t's head h at base + t * stride + h * D (D contiguous); chunk i
+ * is tokens starts[i] .. starts[i] + lens[i] - 1, at positions ctx[i] .. (ctx NULL: 0).
+ * A chunk without context reads its keys and values from k and v; one with context
+ * reads all of them (context and its own, which the caller has written) from the paged
+ * cache halves k_cache / v_cache ([blocks, block_size, Hk, D], strides in elements)
+ * through its row of block_tables ([n, max_blocks]). D a multiple of 32, at most 256.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -46,9 +51,23 @@ static void configure_rows(int rows) {
     _tile_loadconfig(&cfg);
 }
 
+/* Where key (or value) j of a task lies: rows `stride` apart from `base`, or, with a
+ * block table, in the paged cache. */
+typedef struct {
+    const uint16_t *base;
+    int64_t stride;
+    const int64_t *table; /* NULL: rows of base */
+    int64_t block_size, stride_block, stride_token;
+} KeyRows;
+
+static inline const uint16_t *key_row(const KeyRows *src, int64_t j) {
+    if (!src->table) return src->base + j * src->stride;
+    return src->base + src->table[j / src->block_size] * src->stride_block + (j % src->block_size) * src->stride_token;
+}
+
 /* K^T blocks: kt[(j * DC + c) * 256 + r * 16 + n] (32-bit words) = the pair of dimensions
  * 32c + 2r, 32c + 2r + 1 of key 16j + n (zeros past len). */
-static void layout_keys(const uint16_t *k, int64_t k_stride, int64_t len, int64_t D, uint32_t *kt) {
+static void layout_keys(const KeyRows *k, int64_t len, int64_t D, uint32_t *kt) {
     const int64_t DC = D / 32, blocks = (len + 15) / 16;
     for (int64_t j = 0; j < blocks; j++)
         for (int64_t n = 0; n < 16; n++) {
@@ -56,7 +75,7 @@ static void layout_keys(const uint16_t *k, int64_t k_stride, int64_t len, int64_
             for (int64_t c = 0; c < DC; c++) {
                 uint32_t *dst = kt + (j * DC + c) * 256 + n;
                 if (key < len) {
-                    const uint32_t *src = (const uint32_t *)(k + key * k_stride + 32 * c);
+                    const uint32_t *src = (const uint32_t *)(key_row(k, key) + 32 * c);
                     for (int r = 0; r < 16; r++) dst[r * 16] = src[r];
                 } else {
                     for (int r = 0; r < 16; r++) dst[r * 16] = 0;
@@ -67,27 +86,29 @@ static void layout_keys(const uint16_t *k, int64_t k_stride, int64_t len, int64_
 
 /* V blocks: vv[(b * DT + t) * 256 + r * 16 + n] (32-bit words) = (v[32b + 2r][16t + n],
  * v[32b + 2r + 1][16t + n]) as a bf16 pair, low half first (zeros past len). */
-static void layout_values(const uint16_t *v, int64_t v_stride, int64_t len, int64_t D, uint32_t *vv) {
+static void layout_values(const KeyRows *v, int64_t len, int64_t D, uint32_t *vv) {
     const int64_t DT = D / 16, blocks = (len + 31) / 32;
     for (int64_t b = 0; b < blocks; b++)
         for (int r = 0; r < 16; r++) {
             const int64_t k0 = 32 * b + 2 * r, k1 = k0 + 1;
+            const uint16_t *row0 = k0 < len ? key_row(v, k0) : NULL, *row1 = k1 < len ? key_row(v, k1) : NULL;
             for (int64_t t = 0; t < DT; t++) {
-                const __m512i lo = k0 < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + k0 * v_stride + 16 * t)))
-                                            : _mm512_setzero_si512();
-                const __m512i hi = k1 < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + k1 * v_stride + 16 * t)))
-                                            : _mm512_setzero_si512();
+                const __m512i lo = row0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row0 + 16 * t)))
+                                        : _mm512_setzero_si512();
+                const __m512i hi = row1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row1 + 16 * t)))
+                                        : _mm512_setzero_si512();
                 _mm512_storeu_si512((void *)(vv + (b * DT + t) * 256 + r * 16), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
         }
 }
 
-/* Rows q0 .. q0 + rows - 1 of one query head (q: the prompt's first token, this head). */
+/* Rows q0 .. q0 + rows - 1 of one query head (q: the chunk's first token, this head),
+ * at positions ctx + q0 .. (each sees the keys up to its own position). */
 static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0, int rows,
-                      int64_t D, float scale, const uint32_t *kt, const uint32_t *vv, float *s, uint16_t *p,
-                      int64_t width) {
+                      int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv, float *s,
+                      uint16_t *p, int64_t width) {
     const int64_t DC = D / 32, DT = D / 16;
-    const int64_t seen = q0 + rows;                 /* keys 0 .. seen - 1 (causal) */
+    const int64_t seen = ctx + q0 + rows;           /* keys 0 .. seen - 1 (causal) */
     const int64_t kblocks = (seen + 15) / 16, pblocks = (seen + 31) / 32;
     configure_rows(rows);
     /* S = Q K^T, 16 keys at a time; s is rows x width floats. */
@@ -106,7 +127,7 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
     for (int i = 0; i < rows; i++) {
         float *row = s + i * width;
         uint16_t *prow = p + i * width;
-        const int64_t n = q0 + i + 1;
+        const int64_t n = ctx + q0 + i + 1;
         __m512 mx = _mm512_set1_ps(-3.0e38f);
         int64_t t = 0;
         for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
@@ -144,16 +165,19 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
  * not a multiple of Hk) or when scratch memory cannot be had. */
 int aserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                              const uint16_t *v, int64_t v_stride, uint16_t *out, int64_t out_stride,
-                             const int64_t *starts, const int64_t *lens, int64_t n_prompts, int64_t Hq, int64_t Hk,
-                             int64_t D, float scale, int num_threads) {
+                             const int64_t *starts, const int64_t *lens, const int64_t *ctx, int64_t n_prompts,
+                             const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
+                             int64_t max_blocks, int64_t block_size, int64_t stride_block, int64_t stride_token,
+                             int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
     if (D % 32 || D > MAX_D || Hk < 1 || Hq % Hk) return -1;
     const int64_t group = Hq / Hk, tasks = n_prompts * Hk;
     int failed = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && tasks > 1) reduction(| : failed)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t i = task / Hk, h = task % Hk, start = starts[i], len = lens[i];
+        const int64_t c0 = ctx ? ctx[i] : 0, total = c0 + len;
         if (len <= 0) continue;
-        const int64_t padded = (len + 31) / 32 * 32;
+        const int64_t padded = (total + 31) / 32 * 32;
         /* kt, vv: padded x D bf16 each; s: 16 x padded floats; p: 16 x padded bf16. */
         char *scratch = aligned_alloc(64, (size_t)(padded * D * 4 + 16 * padded * 6));
         if (!scratch) {
@@ -163,13 +187,20 @@ int aserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
         uint32_t *kt = (uint32_t *)scratch, *vv = (uint32_t *)(scratch + padded * D * 2);
         float *s = (float *)(scratch + padded * D * 4);
         uint16_t *p = (uint16_t *)(scratch + padded * D * 4 + 16 * padded * 4);
-        layout_keys(k + start * k_stride + h * D, k_stride, len, D, kt);
-        layout_values(v + start * v_stride + h * D, v_stride, len, D, vv);
+        KeyRows ks = {k + start * k_stride + h * D, k_stride, NULL, 0, 0, 0};
+        KeyRows vs = {v + start * v_stride + h * D, v_stride, NULL, 0, 0, 0};
+        if (c0 > 0) {
+            const int64_t *table = block_tables + i * max_blocks;
+            ks = (KeyRows){k_cache + h * D, 0, table, block_size, stride_block, stride_token};
+            vs = (KeyRows){v_cache + h * D, 0, table, block_size, stride_block, stride_token};
+        }
+        layout_keys(&ks, total, D, kt);
+        layout_values(&vs, total, D, vv);
         for (int64_t g = 0; g < group; g++) {
             const int64_t hq = h * group + g;
             for (int64_t q0 = 0; q0 < len; q0 += 16)
                 row_block(q + start * q_stride + hq * D, q_stride, out + start * out_stride + hq * D, out_stride, q0,
-                          (int)(len - q0 < 16 ? len - q0 : 16), D, scale, kt, vv, s, p, padded);
+                          (int)(len - q0 < 16 ? len - q0 : 16), c0, D, scale, kt, vv, s, p, padded);
         }
         _tile_release();
         free(scratch);

@@ -50,7 +50,7 @@ class ModelRunner:
         # over the paged cache where it builds (float32 and bfloat16), else SDPA over
         # dense staged copies (use_decode_staging) or over gathered blocks.
         self.decode_kernel: DecodeAttention | None = None
-        # Prompts with nothing cached before them: the AMX kernel (bf16), else SDPA.
+        # Prefill chunks: the AMX kernel (bf16), else SDPA.
         self.prefill_kernel: PrefillAttention | None = None
         self.use_decode_staging = use_decode_staging
         self.staging: DecodeStaging | None = None

@@ -86,10 +86,10 @@ def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, t
     total = sum(n for _, n in chunks)
     q = torch.randn(total, hq, d, generator=g).to(torch.bfloat16)
     k, v = torch.empty(total, hk, d, dtype=torch.bfloat16), torch.empty(total, hk, d, dtype=torch.bfloat16)
-    starts, tables, used = [], [], 0
+    starts = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    tables, used = [], 0
     width = max(-(-(c + n) // block) for c, n in chunks)
-    for c, n in chunks:
-        start = sum(len_ for _, len_ in chunks[: len(starts)])
+    for (c, n), start in zip(chunks, starts):
         blocks = perm[used : used + -(-(c + n) // block)]
         used += blocks.numel()
         # The chunk's own keys and values are in its rows and, as the model writes them
@@ -97,7 +97,6 @@ def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, t
         for t in range(n):
             b, off = blocks[(c + t) // block], (c + t) % block
             k[start + t], v[start + t] = cache[0, b, off], cache[1, b, off]
-        starts.append(start)
         tables.append(torch.cat([blocks, torch.zeros(width - blocks.numel(), dtype=torch.int64)]))
     out = torch.zeros(total, hq, d, dtype=torch.bfloat16)
     scale = d**-0.5

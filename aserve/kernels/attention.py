@@ -22,6 +22,7 @@ chunks (one or more tokens each, possibly after cached context).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,22 @@ class AttentionMetadata:
     # prefill chunk of the step in one call, a chunk after cached context reading its
     # keys and values from the paged cache.
     prefill_kernel: PrefillAttention | None = None
+
+    @cached_property
+    def prefill_spans(self) -> tuple[list[int], list[int], list[int] | None, torch.Tensor | None]:
+        """The prefill chunks as the prefill kernel takes them, built once a step (every
+        layer reads them): starts, lengths, and when any chunk follows cached context,
+        the context lengths and a block table padded with block 0 ([chunks, max_blocks])."""
+        chunks = self.prefills
+        starts, lens = [c.start for c in chunks], [c.end - c.start for c in chunks]
+        with_blocks = [c.block_ids for c in chunks if c.block_ids is not None]
+        if not with_blocks:
+            return starts, lens, None, None
+        table = torch.zeros(len(chunks), max(ids.numel() for ids in with_blocks), dtype=torch.int64)
+        for row, c in enumerate(chunks):
+            if c.block_ids is not None:
+                table[row, : c.block_ids.numel()] = c.block_ids
+        return starts, lens, [c.context_len for c in chunks], table
 
 
 @dataclass
@@ -129,22 +146,14 @@ def paged_attention(
             return o
         out[:nd] = o
     assert out is not None
-    prefills = meta.prefills
-    if prefills and meta.prefill_kernel is not None and prefill_kernel_supports(q, k):
-        context = None
-        if any(c.block_ids is not None for c in prefills):
-            rows = max(c.block_ids.numel() for c in prefills if c.block_ids is not None)
-            table = torch.zeros(len(prefills), rows, dtype=torch.int64)
-            for i, c in enumerate(prefills):
-                if c.block_ids is not None:
-                    table[i, : c.block_ids.numel()] = c.block_ids
-            context = ([c.context_len for c in prefills], table, kv_cache[0], kv_cache[1])
-        meta.prefill_kernel(q, k, v, out, [c.start for c in prefills], [c.end - c.start for c in prefills], scale,
-                            context)
+    if meta.prefill_kernel is not None and prefill_kernel_supports(q, k):
+        starts, lens, context_lens, table = meta.prefill_spans
+        context = None if table is None else (context_lens, table, kv_cache[0], kv_cache[1])
+        meta.prefill_kernel(q, k, v, out, starts, lens, scale, context)
         return out
     # Prefill tensors are 4-D ([1, H, S, D]): the CPU flash kernel takes only those,
     # and 3-D inputs fall back to the much slower math path.
-    for chunk in prefills:
+    for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, S, D]
         if chunk.block_ids is None:
             kc = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)

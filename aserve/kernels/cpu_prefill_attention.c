@@ -15,8 +15,8 @@
  *       P = softmax(S * scale) per row, in float32, rounded to bf16 (as torch's flash
  *           kernel feeds its second product), keys past a row's position 0;
  *       O = P V, in float32, divided by the row's sum (of the unrounded weights), bf16.
- * Scratch per task: the two layouts (2 x len x D bf16, rounded up to 32 keys) and one
- * row block's scores and weights.
+ * Scratch per task: the two layouts (2 x keys x D bf16, keys = context + chunk rounded
+ * up to 32) and one row block's scores and weights.
  *
  * q, k, v, out: token t's head h at base + t * stride + h * D (D contiguous); chunk i
  * is tokens starts[i] .. starts[i] + lens[i] - 1, at positions ctx[i] .. (ctx NULL: 0).
@@ -121,7 +121,7 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
         }
         _tile_stored(0, s + 16 * j, width * 4);
     }
-    /* Softmax per row over keys 0 .. q0 + i; weights rounded to bf16 into p (zeros past
+    /* Softmax per row over keys 0 .. ctx + q0 + i; weights rounded to bf16 into p (zeros past
      * the row's last key, up to the 32-key block), sums of the float weights kept. */
     float inv_sum[16];
     for (int i = 0; i < rows; i++) {

@@ -21,8 +21,9 @@
  * K) are one contiguous run of 2 KiB x K/32.
  *
  * Threads: the pairs are split in contiguous ranges between `num_threads` OpenMP
- * threads; each loads its own tile configuration (it depends on M) and releases the
- * tiles when done. The process must have asked the kernel for AMX state
+ * threads, which take pairs from each other's ranges once their own is done (work_next
+ * in cpu_kernels.h); each loads its own tile configuration (it depends on M) and
+ * releases the tiles when done. The process must have asked the kernel for AMX state
  * (aserve_amx_init); torch's oneDNN does the same.
  */
 #include <immintrin.h>
@@ -120,20 +121,19 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *x, 
 
 #define GROUP 8 /* pairs whose weights (2 KiB x K/32 each) stay in L2 while the chunks of x pass */
 
-/* Pairs [p0, p1) of one thread, all M rows. Decode (M <= 32): one pass, each weight
- * read once from memory. Larger M (prefill): for each group of GROUP pairs, every
- * 32-row chunk of x in turn, so the group's weights are read from memory once and
- * from L2 after that. */
+/* Pairs [p0, p1), all M rows. Decode (M <= 32): one pass, each weight read once from
+ * memory. Larger M (prefill): for each group of GROUP pairs, every 32-row chunk of x in
+ * turn, so the group's weights are read from memory once and from L2 after that.
+ * `cfg` holds the tile rows this thread last configured ({-1, -1} before its first). */
 static void run_pairs(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
-                      int64_t M, int64_t K, int64_t p0, int64_t p1) {
+                      int64_t M, int64_t K, int64_t p0, int64_t p1, int cfg[2]) {
     const int64_t KC = K / 32;
-    int cfg0 = -1, cfg1 = -1;
     for (int64_t g = p0; g < p1; g += GROUP) {
         const int64_t g1 = g + GROUP < p1 ? g + GROUP : p1;
         for (int64_t m0 = 0; m0 < M; m0 += 32) {
             const int rows = (int)(M - m0 < 32 ? M - m0 : 32);
             const int rows0 = rows > 16 ? 16 : rows, rows1 = rows > 16 ? rows - 16 : 0;
-            if (rows0 != cfg0 || rows1 != cfg1) configure(cfg0 = rows0, cfg1 = rows1);
+            if (rows0 != cfg[0] || rows1 != cfg[1]) configure(cfg[0] = rows0, cfg[1] = rows1);
             const uint16_t *xm = x + m0 * x_stride;
             uint16_t *ym = y + m0 * y_stride;
             if (rows > 16)
@@ -144,7 +144,6 @@ static void run_pairs(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
                     pair_block(xm, x_stride, (const char *)(wp + p * KC * 1024), ym, y_stride, rows, KC, p, 0);
         }
     }
-    _tile_release();
 }
 
 /* y[M, N] (rows `y_stride` apart) = x[M, K] (rows `x_stride` apart) . W^T, W packed by
@@ -156,14 +155,24 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
     const int64_t pairs = N / 32;
     if (num_threads > pairs) num_threads = (int)pairs;
     if (num_threads < 1) num_threads = 1;
+    /* Items of one pair at decode sizes, of a GROUP of pairs (the unit of L2 reuse)
+       above; each thread starts on the contiguous run a static split gives it. */
+    const int64_t per_item = M > 32 ? GROUP : 1, items = (pairs + per_item - 1) / per_item;
+    if (num_threads > items) num_threads = (int)items;
+    work_range ranges[num_threads];
+    work_split(ranges, num_threads, items);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        int t = 0, nt = 1;
+        int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
-        nt = omp_get_num_threads();
 #endif
-        run_pairs(x, x_stride, wp, y, y_stride, M, K, pairs * t / nt, pairs * (t + 1) / nt);
+        int cfg[2] = {-1, -1};
+        for (int64_t i; (i = work_next(ranges, t, num_threads)) >= 0;) {
+            const int64_t p1 = (i + 1) * per_item;
+            run_pairs(x, x_stride, wp, y, y_stride, M, K, i * per_item, p1 < pairs ? p1 : pairs, cfg);
+        }
+        _tile_release();
     }
     return 0;
 }

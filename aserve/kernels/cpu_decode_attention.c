@@ -495,21 +495,26 @@ static void run_tasks(const Args *a) {
     const int64_t tasks = a->B * chunks;
     /* OpenMP from the libgomp torch already loaded (same soname), so these are torch's
        own intra-op threads, not a second pool competing with them for the cores. */
-    /* Each thread takes a contiguous range of tasks, so it knows the next one it runs
-       and can prefetch that task's first keys while it finishes the current one. */
-#pragma omp parallel num_threads(a->num_threads) if (a->num_threads > 1 && tasks > 1)
+    /* Each thread starts on a contiguous range of tasks and takes from the others' once
+       it is done (work_next in cpu_kernels.h). While on its own range it knows the next
+       task it will probably run, and prefetches that task's first keys as it finishes
+       the current one (a hint only: another thread may take that task). */
+    int nt_req = a->num_threads > tasks ? (int)tasks : a->num_threads;
+    if (nt_req < 1) nt_req = 1;
+    work_range ranges[nt_req];
+    work_split(ranges, nt_req, tasks);
+#pragma omp parallel num_threads(nt_req) if (nt_req > 1)
     {
-        int t = 0, nt = 1;
+        int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
-        nt = omp_get_num_threads();
 #endif
-        const int64_t first = tasks * t / nt, last = tasks * (t + 1) / nt;
-        for (int64_t task = first; task < last; task++) {
+        const int64_t own_end = tasks * (t + 1) / nt_req;
+        for (int64_t task; (task = work_next(ranges, t, nt_req)) >= 0;) {
             const int64_t b = task / chunks, c = task % chunks;
             const Task next = {(task + 1) / chunks, a->Hk * ((task + 1) % chunks) / chunks,
                                a->Hk * ((task + 1) % chunks + 1) / chunks};
-            dispatch_task(a, b, a->Hk * c / chunks, a->Hk * (c + 1) / chunks, task + 1 < last ? &next : NULL);
+            dispatch_task(a, b, a->Hk * c / chunks, a->Hk * (c + 1) / chunks, task + 1 < own_end ? &next : NULL);
         }
     }
 }

@@ -26,6 +26,52 @@ static inline int amx_request_tiles(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
+/* Items [0, n) of a kernel shared out between the threads of a parallel region so that
+ * a thread the OS takes off its core does not hold up the others.
+ *
+ * Why: a worker's OpenMP threads share the machine's cores with the API server, the
+ * engine core and the client (two cores here). Under a static split, when the OS runs
+ * one of those on a worker thread's core for a millisecond, the other thread finishes
+ * its half and waits at the region's end for the whole of it. Here each thread starts
+ * with the contiguous range a static split would give it (so in the common case it
+ * streams its weights or keys exactly as before) and takes items from its front; a
+ * thread that runs out takes items, one at a time, from the back of the others'
+ * ranges. Every item is taken exactly once (a compare-and-swap on the range's packed
+ * ends), so the outputs do not depend on which thread computed them.
+ *
+ * The caller fills `r[0..nt)` with work_split before the region (the region's start
+ * orders those stores before the threads' loads); inside, thread t calls work_next
+ * until it returns -1. If OpenMP gives the region fewer threads than nt, the ranges of
+ * the missing ones are taken by the others. */
+typedef struct {
+    int64_t ends; /* lo | hi << 32: the items [lo, hi) not yet taken */
+    char pad[56]; /* one cache line per range: only a thief writes to another's line */
+} __attribute__((aligned(64))) work_range;
+
+static inline void work_split(work_range *r, int nt, int64_t n) {
+    for (int t = 0; t < nt; t++) r[t].ends = (n * t / nt) | ((n * (t + 1) / nt) << 32);
+}
+
+/* Takes one item from the front (front = 1) or the back of one range; -1 if it is empty. */
+static inline int64_t work_take(work_range *r, int front) {
+    int64_t old = __atomic_load_n(&r->ends, __ATOMIC_RELAXED);
+    for (;;) {
+        const int64_t lo = old & 0xffffffff, hi = old >> 32;
+        if (lo >= hi) return -1;
+        const int64_t next = front ? (lo + 1) | (hi << 32) : lo | ((hi - 1) << 32);
+        if (__atomic_compare_exchange_n(&r->ends, &old, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            return front ? lo : hi - 1;
+    }
+}
+
+/* Thread t's next item: its own range's front, else another range's back; -1 when all
+ * are taken. */
+static inline int64_t work_next(work_range *r, int t, int nt) {
+    int64_t i = t < nt ? work_take(&r[t], 1) : -1;
+    for (int k = 1; i < 0 && k <= nt; k++) i = work_take(&r[(t + k) % nt], 0);
+    return i;
+}
+
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } x;
     x.u = (uint32_t)h << 16;

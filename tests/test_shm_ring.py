@@ -177,3 +177,75 @@ def test_a_ring_appears_under_its_name_only_at_full_size(ring_names):
         writer.close()
         ctx.term()
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(ring_names[0])]
+
+
+def _thread_blocked_in_poll(tid: int) -> bool:
+    # /proc/<tid>/syscall starts with the number of the system call a thread is blocked
+    # in: 7 is poll on x86-64 (select.poll), 271 ppoll.
+    with open(f"/proc/self/task/{tid}/syscall") as f:
+        return f.read().split()[0] in ("7", "271")
+
+
+@pytest.mark.parametrize("wake_every_write", [True, False])
+def test_doorbell_wakes_a_deep_sleeping_reader(ring_names, wake_every_write, monkeypatch):
+    """A reader blocked on its doorbell gets a message as soon as it is written, where
+    without the doorbell it would sleep until its safety poll (set to a minute here). With
+    wake_every_write off the writer rings only after an idle gap of WAKE_AFTER, so the
+    test leaves that gap before each write."""
+    import threading
+    import time as _time
+
+    from aserve.distributed import shm_ring
+
+    monkeypatch.setattr(shm_ring, "DEEP_POLL_MS", 60_000)
+    ctx = zmq.Context()
+    writer = make_writer(ring_names, 1, ctx, wake_every_write=wake_every_write)
+    reader = ShmRingReader(ring_names[0], 0, 1, side_channel_address=ring_names[1], zmq_context=ctx,
+                           max_chunks=CHUNKS, max_chunk_bytes=CHUNK_BYTES, deep_sleep_after=0.0)
+    writer.wait_for_readers(timeout=10)
+    got, tids = [], []
+
+    def read() -> None:
+        tids.append(threading.get_native_id())
+        got.append(reader.read())
+
+    try:
+        for i in range(2):
+            tids.clear()
+            thread = threading.Thread(target=read, daemon=True)
+            thread.start()
+            while not tids or not _thread_blocked_in_poll(tids[0]):
+                assert thread.is_alive(), "the reader returned before anything was written"
+                _time.sleep(0.001)  # polling the reader's state, not a wait for it
+            while not wake_every_write and _time.monotonic() - writer._last_write <= shm_ring.WAKE_AFTER:
+                _time.sleep(0.005)  # the writer's idle gap after which it rings
+            writer.write(message(i))
+            thread.join(timeout=5)
+            assert not thread.is_alive() and got == [message(j) for j in range(i + 1)]
+    finally:
+        reader.close()
+        writer.close()
+        ctx.term()
+
+
+def test_doorbell_leaves_no_file_and_tolerates_a_gone_reader(ring_names, tmp_path):
+    """The doorbells live in the abstract namespace: nothing appears on disk, and a
+    writer ringing for a reader that has closed carries on (the ring's own flags, not
+    the doorbell, say who is behind)."""
+    ctx = zmq.Context()
+    writer = make_writer(ring_names, 1, ctx, wake_every_write=True)
+    reader = make_reader(ring_names, 0, 1, ctx)
+    writer.wait_for_readers(timeout=10)
+    try:
+        with open("/proc/net/unix") as f:
+            bound = [line.split()[-1] for line in f if ring_names[0] in line]
+        assert bound == [f"@aserve-ring/{ring_names[0]}/0"]
+        assert sorted(os.listdir(tmp_path)) == [os.path.basename(ring_names[1][len("ipc://"):])]
+        for i in range(CHUNKS * 3):  # more rings than the doorbell's queue holds
+            writer.write(message(i))
+            assert reader.read(timeout=5) == message(i)
+        reader.close()
+        writer.write(b"after the reader left")  # rings a doorbell nobody holds
+    finally:
+        writer.close()
+        ctx.term()

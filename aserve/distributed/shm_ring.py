@@ -67,8 +67,8 @@ _INLINE, _SIDE = 0, 1
 
 SPIN_SECONDS = 2e-4  # yield-spin this long before sleeping
 MAX_SLEEP_SECONDS = 1e-3  # longest back-off sleep before the deep sleep
-DEEP_SLEEP_AFTER = 0.05  # readers then block on the side channel
-WAKE_AFTER = 0.02  # a write after this long an idle gap also sends a wake-up
+DEEP_SLEEP_AFTER = 0.05  # readers then block on their doorbell
+WAKE_AFTER = 0.02  # a write after this long an idle gap also rings the doorbells
 DEEP_POLL_MS = 5000  # a deep-sleeping reader still looks at the ring this often (a safety net)
 _DATA = b"D"
 
@@ -92,11 +92,12 @@ def _wait(ready: Callable[[], bool], deadline: float | None, on_slow: Callable[[
     """Return once ``ready()``; TimeoutError at ``deadline`` (a ``time.monotonic`` value).
 
     ``deep_sleep(seconds)`` blocks until woken or the time passes, from
-    ``deep_sleep_after`` seconds into the wait; without it the back-off sleeps go on."""
+    ``deep_sleep_after`` seconds into the wait; without it the back-off sleeps go on.
+    With ``deep_sleep_after`` 0 there is no spin either (see ShmRingReader)."""
     if ready():
         return
     start = time.monotonic()
-    spin_until = start + SPIN_SECONDS
+    spin_until = start + (SPIN_SECONDS if deep_sleep is None or deep_sleep_after > 0 else 0.0)
     while time.monotonic() < spin_until:
         os.sched_yield()
         if ready():
@@ -272,8 +273,10 @@ class ShmRingReader:
     """Reader ``rank`` of an existing ring (0 .. n_readers - 1).
 
     ``deep_sleep_after``: seconds of waiting after which the reader blocks on its
-    doorbell; 0 (after the short spin) only for a ring whose writer rings it after every
-    write (``wake_every_write``). The doorbell is bound before the side channel
+    doorbell; 0 only for a ring whose writer rings it after every write
+    (``wake_every_write``), and then without the spin before: the engine core waiting on
+    a worker's reply spun 0.2 ms a step on the cores the API server needs, for a wake-up
+    the doorbell now gives in microseconds. The doorbell is bound before the side channel
     subscribes, so a writer past ``wait_for_readers`` can always ring it."""
 
     def __init__(self, name: str, rank: int, n_readers: int, *, side_channel_address: str, zmq_context: zmq.Context,

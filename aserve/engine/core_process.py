@@ -21,6 +21,8 @@ usage) to it (client index -1) whenever the counts change.
 
 from __future__ import annotations
 
+import asyncio
+
 import gc
 import logging
 import os
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import anyio.from_thread
 import anyio.to_thread
 import msgspec
 import zmq
@@ -277,8 +278,20 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
 
         send_outputs, receive_outputs = anyio.create_memory_object_stream[tuple[int, EngineCoreOutputs]](float("inf"))
 
+        event_loop = asyncio.get_running_loop()  # the process runs on anyio's asyncio backend
+
         def emit(client: int, outputs: EngineCoreOutputs) -> None:
-            anyio.from_thread.run_sync(send_outputs.send_nowait, (client, outputs))
+            # Handed over without waiting: the busy loop goes on to schedule the next
+            # step while this thread sends. (It used to wait for the hand-over to run,
+            # a round trip through this thread, which shares its core with the API
+            # server, on every step.) The stream keeps the order.
+            event_loop.call_soon_threadsafe(deliver, (client, outputs))
+
+        def deliver(item: tuple[int, EngineCoreOutputs]) -> None:
+            try:
+                send_outputs.send_nowait(item)
+            except anyio.ClosedResourceError:
+                pass  # shutting down: the output task has stopped (ENGINE_CORE_DEAD follows)
 
         loop = _BusyLoop(core, cfg.engine_index, emit, publish_counts=stats_push is not None)
 

@@ -13,6 +13,7 @@ import math
 import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from aserve.engine.scheduler import RunnerOutput
@@ -26,6 +27,13 @@ from aserve.sampling_params import SamplingParams
 from aserve.worker.decode_staging import DecodeStaging
 from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
 from aserve.wire.messages import TokenLogprobs
+
+
+def _long_tensor(values: list[int]) -> torch.Tensor:
+    """``torch.tensor(values)`` for a list of ints, through numpy: torch converts a list
+    element by element (450 us for 4,096 ints on this machine, 6 us for 32), numpy in
+    52 and 1.3 us. A step builds five such tensors and the block table."""
+    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
 
 
 @dataclass
@@ -136,16 +144,19 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             row_of_token.extend([row] * n)
         max_blocks = max(len(state.block_ids) for state, _ in scheduled)
-        block_table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s, _ in scheduled])
-        pos_t = torch.tensor(positions)
-        row_t = torch.tensor(row_of_token)
+        table = np.zeros((len(scheduled), max_blocks), dtype=np.int64)
+        for row, (state, _) in enumerate(scheduled):
+            table[row, : len(state.block_ids)] = state.block_ids
+        block_table = torch.from_numpy(table)
+        pos_t = _long_tensor(positions)
+        row_t = _long_tensor(row_of_token)
         slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
 
         decode_table = decode_mask = decode_rows = decode_write_index = seq_lens = None
         length = 0  # keys each decode row's SDPA reads (not used by the kernel)
         gathered = 0  # blocks the decode rows gather per layer
         if num_decode:
-            seq_lens = torch.tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
+            seq_lens = _long_tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
             if self.decode_kernel is not None:
                 decode_table = block_table[:num_decode]
             elif staged_rows is not None:
@@ -178,14 +189,14 @@ class ModelRunner:
             prefill_kernel=self.prefill_kernel,
         )
 
-        hidden = self.model(torch.tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]
+        hidden = self.model(_long_tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]
 
         # Rows that reach the end of their known tokens sample the next one.
         sample_rows = [r for r, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == len(s.token_ids)]
         prompt_logprobs = self._prompt_logprobs(scheduled, starts, hidden)
         if not sample_rows:
             return RunnerOutput([], [], {}, prompt_logprobs)
-        last_token = torch.tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows])
+        last_token = _long_tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows])
         logits = self.model.compute_logits(hidden[last_token])  # [N, vocab]
         rows = [scheduled[r][0] for r in sample_rows]
         tokens, logprobs = self.sampler(

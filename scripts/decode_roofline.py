@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""The decode step against its memory floor, on this machine, now.
+
+    python scripts/decode_roofline.py [--model bench-models/llama-152m] [--repeats 3]
+
+A decode step at batch 32 reads every weight once and every sequence's keys and
+values once; at these sizes that traffic, not arithmetic, bounds it. For each repeat
+this measures the plain read rate of the cores (two threads summing 512 MiB on 2 MiB
+pages: ``scripts/read_bandwidth.c``), then runs ``LLM.generate`` of ``batch`` random
+prompts of ``prompt-len`` tokens and ``output-len`` new ones in process and takes the
+median decode step (``ModelRunner.execute_model``) and the median one-call layer
+stack inside it (``DecodeStack.run``, bf16 only). The floor is the bytes a decode
+step reads at that rate: the weights (from ``config.json``) and the KV cache at the
+run's mean context. Prints one JSON line per repeat. The machine is a VM: take the
+read rate right before each step figure, as this does, and repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def step_bytes(config: dict, dtype: str, kv_tokens: float) -> tuple[float, float]:
+    """(weight bytes, KV bytes) one decode step reads: every projection and the LM head
+    (the embedding gives only the batch's rows), and each sequence's keys and values."""
+    size = _SIZES[dtype]
+    h, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    hq = config["num_attention_heads"]
+    hk = config.get("num_key_value_heads", hq)
+    d = config.get("head_dim", h // hq)
+    per_layer = h * (hq + 2 * hk) * d + hq * d * h + 3 * h * inter + 2 * h
+    weights = (layers * per_layer + config["vocab_size"] * h + h) * size
+    kv = kv_tokens * layers * 2 * hk * d * size
+    return weights, kv
+
+
+def read_rate(threads: int) -> float:
+    import ctypes
+
+    from aserve.kernels.cbuild import load_library
+
+    lib = load_library(ROOT / "scripts" / "read_bandwidth.c", Path(tempfile.gettempdir()) / "aserve-scripts",
+                       "the read-bandwidth probe")
+    if lib is None:
+        raise SystemExit("needs a C compiler (gcc) for scripts/read_bandwidth.c")
+    lib.read_gbps.restype = ctypes.c_double
+    lib.read_gbps.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return lib.read_gbps(512 << 20, threads, 1, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(ROOT / "bench-models" / "llama-152m"))
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_SIZES))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=129)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from aserve import LLM
+    from aserve.kernels import llama_decode
+    from aserve.worker import model_runner
+
+    times: dict[str, list[float]] = {"execute": [], "stack": []}
+
+    def timed(cls: type, name: str, key: str) -> None:
+        inner = getattr(cls, name)
+
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                times[key].append(time.perf_counter() - start)
+
+        setattr(cls, name, wrapper)
+
+    timed(model_runner.ModelRunner, "execute_model", "execute")
+    timed(llama_decode.DecodeStack, "run", "stack")
+    with LLM(model=args.model, dtype=args.dtype, seed=0) as llm:
+        measure(llm, args, times)
+
+
+def measure(llm, args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    import torch
+
+    from aserve import SamplingParams
+
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    vocab = config["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    llm.generate(prompts, params)  # warm-up: kernels built, pages touched
+    # Decode step i attends over prompt_len + i tokens (i = 1 .. output_len - 1).
+    kv_tokens = args.batch * (args.prompt_len + args.output_len / 2)
+    weights, kv = step_bytes(config, args.dtype, kv_tokens)
+    threads = torch.get_num_threads()
+    for _ in range(args.repeats):
+        rate = read_rate(threads)
+        for v in times.values():
+            v.clear()
+        llm.generate(prompts, params)
+        step = statistics.median(times["execute"][1:])  # the first call is the prefill
+        stack = statistics.median(times["stack"]) if times["stack"] else None
+        floor = (weights + kv) / (rate * 1e9)
+        print(json.dumps({
+            "read_gb_s": round(rate, 1), "threads": threads, "weight_bytes": int(weights), "kv_bytes": int(kv), "floor_ms": round(floor * 1e3, 4), "decode_step_ms": round(step * 1e3, 3),
+            "step_over_floor": round(step / floor, 2),
+            "layer_stack_ms": None if stack is None else round(stack * 1e3, 3),
+            "stack_over_floor": None if stack is None else round(stack / floor, 2),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

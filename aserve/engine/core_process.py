@@ -22,7 +22,6 @@ usage) to it (client index -1) whenever the counts change.
 from __future__ import annotations
 
 import asyncio
-
 import gc
 import logging
 import os

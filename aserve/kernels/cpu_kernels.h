@@ -27,17 +27,19 @@ static inline int amx_request_tiles(void) {
 }
 
 /* Items [0, n) of a kernel shared out between the threads of a parallel region so that
- * a thread the OS takes off its core does not hold up the others.
+ * no thread waits at the region's end while another still has a long list.
  *
- * Why: a worker's OpenMP threads share the machine's cores with the API server, the
- * engine core and the client (two cores here). Under a static split, when the OS runs
- * one of those on a worker thread's core for a millisecond, the other thread finishes
- * its half and waits at the region's end for the whole of it. Here each thread starts
- * with the contiguous range a static split would give it (so in the common case it
- * streams its weights or keys exactly as before) and takes items from its front; a
- * thread that runs out takes items, one at a time, from the back of the others'
- * ranges. Every item is taken exactly once (a compare-and-swap on the range's packed
- * ends), so the outputs do not depend on which thread computed them.
+ * Why: under a static split by count, the decode attention's thread with the longer
+ * sequences set the kernel's time (16 sequences of 320 tokens and 16 of 64, two
+ * threads: 1.9 ms a layer against 1.2 ms shared out; docs/performance.md). It also
+ * helps, less, when the OS runs another process (the API server, the engine core) on
+ * one worker thread's core: the other thread goes on with the remaining items, though
+ * not with the one the preempted thread holds. Each thread starts with the contiguous
+ * range a static split would give it (so in the common case it streams its weights or
+ * keys exactly as before) and takes items from its front; a thread that runs out
+ * takes items, one at a time, from the back of the others' ranges. Every item is taken
+ * exactly once (a compare-and-swap on the range's packed ends), so the outputs do not
+ * depend on which thread computed them.
  *
  * The caller fills `r[0..nt)` with work_split before the region (the region's start
  * orders those stores before the threads' loads); inside, thread t calls work_next

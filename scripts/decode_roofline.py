@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,9 +47,11 @@ def step_bytes(config: dict, dtype: str, kv_tokens: float) -> tuple[float, float
 def read_rate(threads: int) -> float:
     import ctypes
 
+    from aserve.envs import read_env
     from aserve.kernels.cbuild import load_library
 
-    lib = load_library(ROOT / "scripts" / "read_bandwidth.c", Path(tempfile.gettempdir()) / "aserve-scripts",
+    # Built and cached where aserve's kernels are (ASERVE_CACHE_DIR/kernels).
+    lib = load_library(ROOT / "scripts" / "read_bandwidth.c", read_env().cache_dir / "kernels",
                        "the read-bandwidth probe")
     if lib is None:
         raise SystemExit("needs a C compiler (gcc) for scripts/read_bandwidth.c")

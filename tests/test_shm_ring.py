@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import threading
+import time
 import uuid
 
 import pytest
 import zmq
 
+from aserve.distributed import shm_ring
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 
 CHUNKS, CHUNK_BYTES = 4, 4096
@@ -192,11 +195,6 @@ def test_doorbell_wakes_a_deep_sleeping_reader(ring_names, wake_every_write, mon
     without the doorbell it would sleep until its safety poll (set to a minute here). With
     wake_every_write off the writer rings only after an idle gap of WAKE_AFTER, so the
     test leaves that gap before each write."""
-    import threading
-    import time as _time
-
-    from aserve.distributed import shm_ring
-
     monkeypatch.setattr(shm_ring, "DEEP_POLL_MS", 60_000)
     ctx = zmq.Context()
     writer = make_writer(ring_names, 1, ctx, wake_every_write=wake_every_write)
@@ -216,9 +214,9 @@ def test_doorbell_wakes_a_deep_sleeping_reader(ring_names, wake_every_write, mon
             thread.start()
             while not tids or not _thread_blocked_in_poll(tids[0]):
                 assert thread.is_alive(), "the reader returned before anything was written"
-                _time.sleep(0.001)  # polling the reader's state, not a wait for it
-            while not wake_every_write and _time.monotonic() - writer._last_write <= shm_ring.WAKE_AFTER:
-                _time.sleep(0.005)  # the writer's idle gap after which it rings
+                time.sleep(0.001)  # polling the reader's state, not a wait for it
+            while not wake_every_write and time.monotonic() - writer._last_write <= shm_ring.WAKE_AFTER:
+                time.sleep(0.005)  # the writer's idle gap after which it rings
             writer.write(message(i))
             thread.join(timeout=5)
             assert not thread.is_alive() and got == [message(j) for j in range(i + 1)]

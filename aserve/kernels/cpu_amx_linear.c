@@ -153,12 +153,11 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
                       int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || K % 32 || N % 32) return -1;
     const int64_t pairs = N / 32;
-    if (num_threads > pairs) num_threads = (int)pairs;
-    if (num_threads < 1) num_threads = 1;
     /* Items of one pair at decode sizes, of a GROUP of pairs (the unit of L2 reuse)
        above; each thread starts on the contiguous run a static split gives it. */
     const int64_t per_item = M > 32 ? GROUP : 1, items = (pairs + per_item - 1) / per_item;
     if (num_threads > items) num_threads = (int)items;
+    if (num_threads < 1) num_threads = 1; /* N = 0 included: no items, one thread */
     work_range ranges[num_threads];
     work_split(ranges, num_threads, items);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)

@@ -57,6 +57,21 @@ def test_strided_rows_bias_and_threads_agree(amx, set_threads):
     torch.testing.assert_close(one.float(), reference(x, w, bias).float(), rtol=2**-7, atol=1e-2)
 
 
+def test_prefill_groups_and_row_panels_cover_every_output_once(amx, set_threads):
+    # K = 2048: groups of 8 pairs (1 MiB of weights), so 17 pairs are 3 groups, the last
+    # of one pair; 300 rows are two panels of 8 and 2 chunks, the last chunk 12 rows.
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 2048, generator=g).bfloat16()
+    w = (torch.randn(17 * 32, 2048, generator=g) * 0.05).bfloat16()
+    packed = amx.pack(w)
+    outs = []
+    for threads in (1, 2, 3):
+        set_threads(threads)
+        outs.append(amx.linear(x, packed, w.shape[0]))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0].float(), reference(x, w).float(), rtol=2**-7, atol=1e-2)
+
+
 def test_supports_bf16_weights_whose_input_side_is_a_multiple_of_32(amx):
     assert amx.supports(torch.zeros(64, 32, dtype=torch.bfloat16))
     assert amx.supports(torch.zeros(48, 32, dtype=torch.bfloat16))  # outputs padded to 64

@@ -36,14 +36,25 @@ class ModelConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}", param="max_model_len")
 
 
+#: Default share of the KV pool that freed, cached blocks may fill before a block never
+#: used yet is handed out (see ``aserve/engine/kv_cache_manager.py``).
+DEFAULT_PREFIX_CACHE_RESERVE = 0.25
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY  # bytes, over all layers and ranks
     enable_prefix_caching: bool = True
+    # While the pool has blocks never used yet, freed cached blocks are kept up to this
+    # share of it; beyond, the oldest is evicted rather than a new block's pages touched.
+    prefix_cache_reserve: float = DEFAULT_PREFIX_CACHE_RESERVE
     num_blocks: int | None = None  # set by fitting: usable blocks in the pool
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.prefix_cache_reserve <= 1.0:
+            raise ConfigError(f"prefix_cache_reserve must be in [0, 1], got {self.prefix_cache_reserve}",
+                              param="prefix_cache_reserve")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}", param="block_size")
         if self.kv_cache_memory <= 0:

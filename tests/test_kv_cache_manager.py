@@ -60,7 +60,8 @@ def test_prefix_hit_shares_blocks_and_keeps_one_token_to_compute():
 
 
 def test_lru_eviction_prefers_oldest_and_tail_blocks():
-    kv = KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=True)
+    # A reserve of the whole pool: every block is used before any cached one is evicted.
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=True, prefix_cache_reserve=1.0)
     a = make_request("a", list(range(8)))
     kv.allocate(a, 8)
     kv.free(a)  # blocks 1, 2 are free but still cached
@@ -110,3 +111,48 @@ def test_without_prefix_caching_freed_blocks_are_reused_first():
         req = make_request(f"r{i}", list(range(12)))
         assert kv.allocate(req, 12) == [1, 2, 3]
         kv.free(req)
+
+
+def test_cached_blocks_beyond_the_reserve_are_evicted_before_untouched_blocks_are_used():
+    # 16 usable blocks, a reserve of a quarter: 4 freed cached blocks are kept.
+    kv = KVCacheManager(num_blocks=17, block_size=4, enable_prefix_caching=True, prefix_cache_reserve=0.25)
+    assert kv.pool.cache_reserve == 4
+    handed_out = set()
+    for i in range(10):  # ten 3-block requests one after another, no prefix shared
+        req = make_request(f"r{i}", list(range(100 * i, 100 * i + 12)))
+        ids = kv.allocate(req, 12)
+        assert ids is not None
+        handed_out.update(ids)
+        kv.free(req)
+    # Only the first blocks were ever touched: no more than one request holds plus the
+    # reserve (a block is taken untouched while fewer than 4 wait in the queue).
+    assert handed_out == set(range(1, 7))
+    assert kv.pool.num_fresh_blocks == 10 and kv.pool.num_free_blocks == 16
+    # The reserve keeps the latest requests' blocks: the last one is still a hit, the
+    # first one's blocks were handed out again.
+    assert len(kv.find_cached_prefix(make_request("again9", list(range(900, 912)) + [1]))) == 3
+    assert kv.find_cached_prefix(make_request("again0", list(range(0, 12)) + [1])) == []
+
+
+def test_untouched_blocks_are_used_when_requests_need_them():
+    kv = KVCacheManager(num_blocks=17, block_size=4, enable_prefix_caching=True, prefix_cache_reserve=0.25)
+    a = make_request("a", list(range(12)))
+    kv.allocate(a, 12)
+    kv.free(a)
+    # 13 blocks at once: the 3 cached ones are below the reserve, so untouched blocks go
+    # first, and the cached ones are evicted only when nothing untouched is left.
+    big = make_request("big", list(range(1000, 1064)))
+    assert kv.allocate(big, 52) == list(range(4, 17))
+    assert kv.pool.num_fresh_blocks == 0
+    assert len(kv.find_cached_prefix(make_request("a2", list(range(12)) + [1]))) == 3
+    assert kv.allocate(big, 56)[-1] in (1, 2, 3)  # one more block: a cached one, evicted
+    assert kv.pool.num_free_blocks == 2
+
+
+def test_reserve_zero_reuses_every_freed_block_first():
+    kv = KVCacheManager(num_blocks=9, block_size=4, enable_prefix_caching=True, prefix_cache_reserve=0.0)
+    for i in range(4):
+        req = make_request(f"r{i}", list(range(100 * i, 100 * i + 8)))
+        assert sorted(kv.allocate(req, 8)) == [1, 2]
+        kv.free(req)
+    assert kv.pool.num_fresh_blocks == 6

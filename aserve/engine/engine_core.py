@@ -91,7 +91,8 @@ class EngineCore:
         self.executor = executor_factory(config)
         assert config.cache.num_blocks is not None
         self.kv = KVCacheManager(
-            config.cache.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+            config.cache.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
+            prefix_cache_reserve=config.cache.prefix_cache_reserve,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
         # Steps handed to the executor whose output has not been read, oldest first. An

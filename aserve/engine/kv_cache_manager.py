@@ -8,21 +8,31 @@ Block lifecycle::
           │                                                        ▼
           └───────── evicted (LRU, hash dropped) ◄────────── free + hashed ──hit──► in use
 
-Free blocks sit in one LRU queue; a hashed block in it can still be hit by a new
-request until it is handed out again. A request's blocks are freed tail first so its
-last blocks, the least likely to be shared, are evicted first. A freed block without a
-hash (a request's partial last block, or a duplicate of a block already cached) holds
-nothing anyone can hit, so it goes to the front of the queue and is handed out before
-blocks never used yet: the worker commits the KV pool's pages lazily, on first write,
-and reusing such blocks keeps that resident set near what requests hold plus what is
-cached. Block 0 is reserved (always zero in the cache tensors) and never handed out.
+Free blocks that have been used sit in one LRU queue; a hashed block in it can still be
+hit by a new request until it is handed out again. A request's blocks are freed tail
+first so its last blocks, the least likely to be shared, are evicted first. A freed
+block without a hash (a request's partial last block, or a duplicate of a block already
+cached) holds nothing anyone can hit, so it goes to the front of the queue.
+
+Blocks never used yet are a separate stack, handed out in id order. The worker commits
+the KV pool's pages lazily, on first write, so a pool whose queue cycled through every
+block would end up resident in full, the cache of a short load included; and each first
+write is a page fault on the step's path. So a never-used block is handed out only while
+the queue of used free blocks is shorter than the reserve (``prefix_cache_reserve`` of
+the pool, a quarter by default): beyond it, the queue's oldest block is evicted instead.
+The resident pool then stays near what requests hold plus the reserve, and the whole
+pool is used once requests need it. vLLM touches its whole pool at start and caches
+into all of it; with a reserve of 1.0 aserve does too, once the pool has been touched.
+
+Block 0 is reserved (always zero in the cache tensors) and never handed out.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
+from aserve.config import DEFAULT_PREFIX_CACHE_RESERVE
 from aserve.engine.request import Request
 
 
@@ -36,23 +46,42 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, cache_reserve: int | None = None) -> None:
+        """``cache_reserve``: used free blocks kept before a never-used one is handed out
+        (None: no limit, every block is used once before any is evicted)."""
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (block 0 is reserved)")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.num_usable_blocks = num_blocks - 1
-        # LRU order: the first entry is evicted first.
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.cache_reserve = self.num_usable_blocks if cache_reserve is None else cache_reserve
+        # Used free blocks in LRU order: the first entry is evicted first.
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict()
+        self._fresh: deque[KVCacheBlock] = deque(self.blocks[1:])  # never handed out, by id
         self._cached: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._fresh)
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        """Blocks never handed out (their cache pages not yet written)."""
+        return len(self._fresh)
 
     @property
     def usage(self) -> float:
         """Fraction of usable blocks held by requests (cached free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_usable_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def _next_free(self) -> KVCacheBlock:
+        if self._free:
+            oldest = next(iter(self._free.values()))
+            # An unhashed block holds nothing to keep; a hashed one is evicted once the
+            # queue has reached the reserve, or when no block is left untouched.
+            if oldest.block_hash is None or len(self._free) >= self.cache_reserve or not self._fresh:
+                del self._free[oldest.block_id]
+                return oldest
+        return self._fresh.popleft()
 
     def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
@@ -61,7 +90,7 @@ class BlockPool:
         """Hand out ``n`` free blocks (evicting their cached contents)."""
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            block = self._next_free()
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
@@ -106,8 +135,9 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Which blocks each request owns, and which of them are shared through the cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool) -> None:
-        self.pool = BlockPool(num_blocks)
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool,
+                 prefix_cache_reserve: float = DEFAULT_PREFIX_CACHE_RESERVE) -> None:
+        self.pool = BlockPool(num_blocks, cache_reserve=round(prefix_cache_reserve * (num_blocks - 1)))
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}

@@ -41,7 +41,7 @@ import anyio.to_thread
 import msgspec
 import zmq
 
-from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
+from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_PREFIX_CACHE_RESERVE
 from aserve.engine.core_process import READY_FRAME
 from aserve.engine.engine_core import fit_config
 from aserve.errors import EngineDeadError, InvalidInputError, unwrap_errors
@@ -160,6 +160,7 @@ class AsyncLLM:
         kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        prefix_cache_reserve: float = DEFAULT_PREFIX_CACHE_RESERVE,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         startup_timeout: float = 600.0,
@@ -170,7 +171,8 @@ class AsyncLLM:
             model, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
             worker_threads=worker_threads, cpu_affinity=cpu_affinity, dtype=dtype,
             max_model_len=max_model_len, seed=seed, kv_cache_memory=kv_cache_memory, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching, prefix_cache_reserve=prefix_cache_reserve,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
         self.startup_timeout = startup_timeout

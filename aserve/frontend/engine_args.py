@@ -7,6 +7,7 @@ import os
 
 from aserve.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
+    DEFAULT_PREFIX_CACHE_RESERVE,
     LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK,
     CacheConfig,
     EngineConfig,
@@ -46,6 +47,7 @@ def make_engine_config(
     kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
     block_size: int = 16,
     enable_prefix_caching: bool = True,
+    prefix_cache_reserve: float = DEFAULT_PREFIX_CACHE_RESERVE,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
@@ -61,7 +63,7 @@ def make_engine_config(
     return EngineConfig(
         model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching, prefix_cache_reserve=prefix_cache_reserve),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,

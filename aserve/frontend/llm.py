@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_PREFIX_CACHE_RESERVE, EngineConfig
 from aserve.engine.engine_core import EngineCore, fit_config
 from aserve.errors import InvalidInputError
 from aserve.executor.multiproc import MultiprocExecutor
@@ -49,6 +49,7 @@ class LLM:
         kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        prefix_cache_reserve: float = DEFAULT_PREFIX_CACHE_RESERVE,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
@@ -58,7 +59,7 @@ class LLM:
         config = make_engine_config(
             model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len, seed=seed,
             kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            prefix_cache_reserve=prefix_cache_reserve, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
         )
         fitted = fit_config(config)

@@ -177,7 +177,7 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
     /* Decode: an item is one pair, each weight read once from memory. Prefill: an item
        is a (group, panel), group-major, so a thread's consecutive items share weights. */
     const int prefill = M > 32;
-    int64_t group = GROUP_BYTES / (KC * 2048);
+    int64_t group = GROUP_BYTES / ((KC > 0 ? KC : 1) * 2048); /* K = 0: zeros, one item a group */
     if (group < MIN_GROUP) group = MIN_GROUP;
     const int64_t groups = prefill ? (pairs + group - 1) / group : pairs;
     const int64_t chunks = (M + 31) / 32, panels = prefill ? (chunks + PANEL_CHUNKS - 1) / PANEL_CHUNKS : 1;

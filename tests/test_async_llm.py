@@ -58,6 +58,14 @@ def alive(pid: int) -> bool:
     return "State:\tZ" not in status
 
 
+def still_running(pid: int) -> str:
+    """A process's pid, name and state, for an assertion's message."""
+    try:
+        return f"{pid}: " + ", ".join(Path(f"/proc/{pid}/status").read_text().split("\n")[:3])
+    except FileNotFoundError:
+        return f"{pid}: gone"
+
+
 def leftovers(instance_id: str, instance_dir: str) -> list[str]:
     found = [p.name for p in Path("/dev/shm").glob(f"{instance_id}_*")]
     return found + ([instance_dir] if os.path.exists(instance_dir) else [])
@@ -89,7 +97,7 @@ async def test_greedy_matches_transformers(llama_dir, expected, tp):
         titles = sorted(Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in pids)
         assert titles == ["aserve::engine_core_0", *[f"aserve::worker_tp{r}" for r in range(tp)]]
     assert leftovers(*instance) == []
-    assert not any(alive(p) for p in pids)
+    assert [still_running(p) for p in pids if alive(p)] == []
 
 
 async def test_data_parallel_engines_share_the_load_and_match_transformers(llama_dir, expected):

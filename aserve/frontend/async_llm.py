@@ -335,6 +335,8 @@ class AsyncLLM:
         for proc in procs:
             await anyio.to_thread.run_sync(proc.join, 30)
             if proc.exitcode is None:
+                # Its own children (workers) are then left to notice their parent's death.
+                logger.warning("%s (pid %d) did not exit within 30 s of SIGTERM; killing it", proc.name, proc.pid)
                 proc.kill()
                 await anyio.to_thread.run_sync(proc.join)
         for sock in self._sockets:

@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from aserve.config import DTYPES
+from aserve.config import DEFAULT_PREFIX_CACHE_RESERVE, DTYPES
 from aserve.errors import AserveError
 
 
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not pin workers to cores of their own when their threads leave cores free "
                           "(the API servers and engine cores then share those; see docs/configuration.md)")
     run.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
+    run.add_argument("--prefix-cache-reserve", type=float, default=DEFAULT_PREFIX_CACHE_RESERVE,
+                     help="share of the KV pool that freed, cached prefixes may fill before blocks never used "
+                          f"yet are touched (default {DEFAULT_PREFIX_CACHE_RESERVE}; 1.0: all of it)")
     run.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator")
     run.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
@@ -284,7 +287,7 @@ def _run(args: argparse.Namespace) -> int:
     engine_kwargs = dict(
         model=model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, dtype=args.dtype, max_model_len=args.max_model_len,
         seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs, prefix_cache_reserve=args.prefix_cache_reserve,
         max_num_batched_tokens=args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK * args.tp,
         worker_threads=args.worker_threads, cpu_affinity=args.cpu_affinity,
         heartbeat_timeout=args.heartbeat_timeout,

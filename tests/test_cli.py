@@ -47,3 +47,10 @@ def test_public_api_is_explicit():
     for name in aserve.__all__:
         assert getattr(aserve, name) is not None
     assert {"LLM", "SamplingParams", "RequestOutput"} <= set(aserve.__all__)
+
+
+def test_run_refuses_a_prefix_cache_reserve_outside_0_to_1(llama_dir, tmp_path):
+    # The flag reaches the engine's config, which names it before any process starts.
+    proc = run_cli("run", str(llama_dir), "--port", "0", "--prefix-cache-reserve", "1.5", cache_dir=tmp_path)
+    assert proc.returncode == 2
+    assert "prefix_cache_reserve must be in [0, 1], got 1.5" in proc.stderr

@@ -118,7 +118,8 @@ def measure(llm, args: argparse.Namespace, times: dict[str, list[float]]) -> Non
         stack = statistics.median(times["stack"]) if times["stack"] else None
         floor = (weights + kv) / (rate * 1e9)
         print(json.dumps({
-            "read_gb_s": round(rate, 1), "threads": threads, "weight_bytes": int(weights), "kv_bytes": int(kv), "floor_ms": round(floor * 1e3, 4), "decode_step_ms": round(step * 1e3, 3),
+            "read_gb_s": round(rate, 1), "threads": threads, "weight_bytes": int(weights), "kv_bytes": int(kv),
+            "floor_ms": round(floor * 1e3, 4), "decode_step_ms": round(step * 1e3, 3),
             "step_over_floor": round(step / floor, 2),
             "layer_stack_ms": None if stack is None else round(stack * 1e3, 3),
             "stack_over_floor": None if stack is None else round(stack / floor, 2),

@@ -46,14 +46,14 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, cache_reserve: int | None = None) -> None:
+    def __init__(self, num_blocks: int, cache_reserve: int) -> None:
         """``cache_reserve``: used free blocks kept before a never-used one is handed out
-        (None: no limit, every block is used once before any is evicted)."""
+        (``num_blocks - 1``: every block is used once before any is evicted)."""
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (block 0 is reserved)")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.num_usable_blocks = num_blocks - 1
-        self.cache_reserve = self.num_usable_blocks if cache_reserve is None else cache_reserve
+        self.cache_reserve = cache_reserve
         # Used free blocks in LRU order: the first entry is evicted first.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._fresh: deque[KVCacheBlock] = deque(self.blocks[1:])  # never handed out, by id

@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from aserve.config import DEFAULT_PREFIX_CACHE_RESERVE, DTYPES
+from aserve.config import DEFAULT_PREFIX_CACHE_RESERVE, DTYPES, TP_COMMS
 from aserve.errors import AserveError
 
 
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-cpu-affinity", dest="cpu_affinity", action="store_false",
                      help="do not pin workers to cores of their own when their threads leave cores free "
                           "(the API servers and engine cores then share those; see docs/configuration.md)")
+    run.add_argument("--tp-comm", choices=TP_COMMS, default="shm",
+                     help="how CPU workers of one engine exchange activations: shm (shared memory, default) or "
+                          "gloo (gloo's TCP for every collective). CUDA workers use NCCL")
     run.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
     run.add_argument("--prefix-cache-reserve", type=float, default=DEFAULT_PREFIX_CACHE_RESERVE,
                      help="share of the KV pool that freed, cached prefixes may fill before blocks never used "
@@ -289,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
         max_num_seqs=args.max_num_seqs, prefix_cache_reserve=args.prefix_cache_reserve,
         max_num_batched_tokens=args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK * args.tp,
-        worker_threads=args.worker_threads, cpu_affinity=args.cpu_affinity,
+        worker_threads=args.worker_threads, cpu_affinity=args.cpu_affinity, tp_comm=args.tp_comm,
         heartbeat_timeout=args.heartbeat_timeout,
     )
     served_model_name = args.served_model_name or model_name(args.model)

@@ -86,6 +86,9 @@ class SchedulerConfig:
             raise ConfigError("max_num_seqs must be >= 1", param="max_num_seqs")
 
 
+TP_COMMS = ("shm", "gloo")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism inside each engine; data parallelism across engines.
@@ -102,6 +105,10 @@ class ParallelConfig:
     # of os.cpu_count()), and whether to pin processes to them (see cpu_plan).
     node_cpus: tuple[int, ...] | None = None
     cpu_affinity: bool = True
+    # How CPU workers of one engine exchange activations: "shm" (shared memory; gloo
+    # only sets it up and is then released) or "gloo" (every collective over gloo's
+    # TCP). CUDA workers use NCCL whatever this says.
+    tp_comm: str = "shm"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -114,6 +121,8 @@ class ParallelConfig:
                               param="data_parallel_size_local")
         if self.worker_threads is not None and self.worker_threads < 1:
             raise ConfigError("worker_threads must be >= 1", param="worker_threads")
+        if self.tp_comm not in TP_COMMS:
+            raise ConfigError(f"tp_comm must be one of {', '.join(TP_COMMS)}, not {self.tp_comm!r}", param="tp_comm")
 
     @property
     def local_engines(self) -> int:

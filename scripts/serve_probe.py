@@ -40,7 +40,7 @@ async def load(base: str, n: int) -> None:
 
 def main(args: argparse.Namespace) -> None:
     cmd = [sys.executable, "-m", "aserve", "run", *([args.model] if args.model else []), "--tp", str(args.tp),
-           "--dp", str(args.dp), "--port", str(args.port), "--log-level", "WARNING"]
+           "--dp", str(args.dp), "--port", str(args.port), "--log-level", "WARNING", *args.run_args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{args.port}"
@@ -84,4 +84,5 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("run_args", nargs="*", help="more flags for aserve run, after --")
     main(parser.parse_args())

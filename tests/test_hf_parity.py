@@ -122,3 +122,31 @@ def test_tensor_parallel_2_matches_transformers(arch, model_dirs, references):
 
     assert not list(Path("/dev/shm").glob(f"{instance_id}_*"))
     assert not os.path.exists(instance_dir)
+
+
+def _thread_names(pid: int) -> list[str]:
+    from pathlib import Path
+
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:  # a thread that ended while we looked
+            continue
+    return names
+
+
+@pytest.mark.parametrize("tp_comm", ["shm", "gloo"])
+def test_both_tp_comms_match_transformers_and_only_gloo_keeps_its_threads(tp_comm, model_dirs, references):
+    # gloo keeps a TCP loop thread per process that wakes every 10 ms while its group
+    # lives; the shared-memory path releases the group after set-up.
+    prompts, expected, _ = references["llama"]
+    with LLM(str(model_dirs["llama"]), kv_cache_memory=1 << 24, tensor_parallel_size=2, tp_comm=tp_comm) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        workers = llm.engine.executor.workers
+        assert len(workers) == 2
+        gloo_threads = [name for w in workers for name in _thread_names(w.pid) if "gloo" in name]
+        if tp_comm == "gloo":
+            assert len(gloo_threads) >= 2
+        else:
+            assert gloo_threads == []

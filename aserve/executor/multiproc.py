@@ -49,6 +49,7 @@ class MultiprocExecutor:
                                         side_channel_address=f"ipc://{instance_dir}/dp{dp_rank}_bcast",
                                         zmq_context=self._ctx, max_chunk_bytes=max_chunk_bytes)
         self._response_names = [f"{prefix}_resp{rank}" for rank in range(self.tp_size)]
+        self._tp_shm_name = f"{prefix}_tp"
         self._responses: list[ShmRingReader] = []
         self.workers: list[mp.process.BaseProcess] = []
         self._closed = False
@@ -60,7 +61,7 @@ class MultiprocExecutor:
                     engine=config, rank=rank, tp_size=self.tp_size, dp_rank=dp_rank, dp_size=dp_size,
                     broadcast_name=f"{prefix}_bcast", broadcast_side=f"ipc://{instance_dir}/dp{dp_rank}_bcast",
                     response_name=self._response_names[rank], response_side=f"ipc://{instance_dir}/dp{dp_rank}_resp{rank}",
-                    dist_init_file=f"{instance_dir}/dist_dp{dp_rank}", max_chunks=DEFAULT_MAX_CHUNKS,
+                    dist_init_file=f"{instance_dir}/dist_dp{dp_rank}", tp_shm_name=self._tp_shm_name, max_chunks=DEFAULT_MAX_CHUNKS,
                     max_chunk_bytes=max_chunk_bytes, heartbeat_name=heartbeat_name,
                 )
                 proc = spawn.Process(target=run_worker, args=(cfg,), name=f"worker_dp{dp_rank}_tp{rank}")
@@ -153,7 +154,9 @@ class MultiprocExecutor:
         for ring in self._responses:
             ring.close()
         self._broadcast.close()
-        for name in self._response_names:  # a worker killed hard could not unlink its own
+        # A worker killed hard could not unlink its own ring; rank 0 unlinks the TP segment
+        # as soon as every rank mapped it, unless it was killed before that.
+        for name in [*self._response_names, self._tp_shm_name]:
             try:
                 os.unlink(f"/dev/shm/{name}")
             except FileNotFoundError:

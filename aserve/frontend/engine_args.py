@@ -53,6 +53,7 @@ def make_engine_config(
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int | None = None,
     cpu_affinity: bool = True,
+    tp_comm: str = "shm",
 ) -> EngineConfig:
     """Raises ``ConfigError`` (naming the field) for an invalid value.
 
@@ -70,5 +71,5 @@ def make_engine_config(
         ),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
                                 data_parallel_size_local=data_parallel_size_local, worker_threads=worker_threads,
-                                node_cpus=node_cpus(), cpu_affinity=cpu_affinity),
+                                node_cpus=node_cpus(), cpu_affinity=cpu_affinity, tp_comm=tp_comm),
     )

@@ -1,7 +1,8 @@
 """A worker process: one rank of one engine's tensor-parallel group (DESIGN §3, §6).
 
 Start-up: attach to the engine core's broadcast ring, create this rank's response ring,
-join the TP process group (gloo on CPU), load this rank's shard and KV cache, then tell
+join the TP process group (gloo on CPU; with ``tp_comm="shm"`` it sets up the shared-memory
+collectives and is then released), load this rank's shard and KV cache, then tell
 the executor it is ready through the response ring. After that the process only
 dequeues calls from the ring and runs them; every rank runs every call, and only the
 call's ``output_rank`` writes the reply. The worker unlinks its response ring on every
@@ -46,6 +47,7 @@ class WorkerProcConfig:
     response_name: str
     response_side: str
     dist_init_file: str
+    tp_shm_name: str  # the shared-memory collectives' segment, when tp_comm is "shm"
     max_chunks: int
     max_chunk_bytes: int
     heartbeat_name: str | None = None
@@ -106,10 +108,44 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
 
     tp = TPGroup.single()
     if cfg.tp_size > 1:
-        dist.init_process_group("gloo", init_method=f"file://{cfg.dist_init_file}", rank=cfg.rank,
-                                world_size=cfg.tp_size)
-        tp = TPGroup(cfg.rank, cfg.tp_size, dist.group.WORLD)
-    worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0)
+        tp = _join_tp_group(cfg)
+    try:
+        worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0)
+        _serve_calls(cfg, worker, broadcast, response, heartbeats)
+    finally:
+        if tp.comm is not None:
+            tp.comm.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join_tp_group(cfg: WorkerProcConfig):  # -> TPGroup (torch is imported lazily)
+    """This rank's TP group: gloo, or shared memory set up over gloo, which is then
+    released so that no gloo thread wakes up on an idle server (docs/parallelism.md)."""
+    import torch
+    import torch.distributed as dist
+
+    from aserve.distributed.shm_comm import ShmCommunicator, load_collectives
+    from aserve.distributed.tp_group import TPGroup
+
+    dist.init_process_group("gloo", init_method=f"file://{cfg.dist_init_file}", rank=cfg.rank, world_size=cfg.tp_size)
+    if cfg.engine.parallel.tp_comm == "gloo":
+        return TPGroup(cfg.rank, cfg.tp_size, dist.group.WORLD)
+    lib = load_collectives(read_env().cache_dir / "kernels")
+    # Every rank must make the same choice: a rank without the library says so to all
+    # (a MIN over a tensor, not all_gather_object, which would unpickle).
+    built = torch.tensor([int(lib is not None)])
+    dist.all_reduce(built, op=dist.ReduceOp.MIN)
+    if not built.item():
+        logger.warning("shared-memory collectives unavailable on some rank: tensor parallelism uses gloo")
+        return TPGroup(cfg.rank, cfg.tp_size, dist.group.WORLD)
+    comm = ShmCommunicator(lib, cfg.tp_shm_name, cfg.rank, cfg.tp_size, barrier=dist.barrier)
+    dist.destroy_process_group()
+    return TPGroup(cfg.rank, cfg.tp_size, comm=comm)
+
+
+def _serve_calls(cfg: WorkerProcConfig, worker, broadcast: ShmRingReader, response: ShmRingWriter,
+                 heartbeats: HeartbeatTable | None) -> None:
     encoder = msgspec.msgpack.Encoder()
     response.wait_for_readers(timeout=300)
     response.write(encoder.encode(WorkerReply(ok=True)))
@@ -122,22 +158,18 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
         if heartbeats is not None:
             heartbeats.tick(slot)
 
-    try:
-        while True:
-            beat()
-            call: WorkerCall = CALL_DECODER.decode(broadcast.read(on_idle=beat))
-            if call.method == "shutdown":
-                return
-            try:
-                output = methods[call.method](call.sched)
-                reply = WorkerReply(ok=True, output=output)
-            except Exception as exc:
-                logger.exception("%s failed", call.method)
-                reply = WorkerReply(ok=False, error=f"{type(exc).__name__}: {exc}")
-            if cfg.rank == call.output_rank:
-                response.write(encoder.encode(reply))
-            if not reply.ok:
-                raise RuntimeError(reply.error)
-    finally:
-        if cfg.tp_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    while True:
+        beat()
+        call: WorkerCall = CALL_DECODER.decode(broadcast.read(on_idle=beat))
+        if call.method == "shutdown":
+            return
+        try:
+            output = methods[call.method](call.sched)
+            reply = WorkerReply(ok=True, output=output)
+        except Exception as exc:
+            logger.exception("%s failed", call.method)
+            reply = WorkerReply(ok=False, error=f"{type(exc).__name__}: {exc}")
+        if cfg.rank == call.output_rank:
+            response.write(encoder.encode(reply))
+        if not reply.ok:
+            raise RuntimeError(reply.error)

@@ -15,14 +15,17 @@ import pytest
 from tests.e2e.server import Server, alive, aserve_shm
 
 
-@pytest.mark.parametrize("victim", ["aserve::worker_tp0", "aserve::engine_core_0"])
-def test_kill_9_fails_health_and_takes_the_tree_down(llama_dir, victim):
+@pytest.mark.parametrize("victim, tp", [("aserve::worker_tp0", 1), ("aserve::engine_core_0", 1),
+                                        # its peer waits for it in a shared-memory all-reduce
+                                        ("aserve::worker_tp1", 2)])
+def test_kill_9_fails_health_and_takes_the_tree_down(llama_dir, victim, tp):
     before = aserve_shm()
-    server = Server(llama_dir)
+    server = Server(llama_dir, "--tp", str(tp))
     pids = server.pids()
     titles = server.titles()
+    # A plain `aserve run` is 4 processes; each TP rank past the first adds a worker.
     assert sorted(titles) == ["aserve::api_server_0", "aserve::engine_core_0", "aserve::supervisor",
-                              "aserve::worker_tp0"]  # a plain `aserve run` is 4 processes
+                              *[f"aserve::worker_tp{rank}" for rank in range(tp)]]
     outcome = {}
 
     def stream_forever():

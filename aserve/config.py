@@ -183,11 +183,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
 
-    def fitted(self, *, max_model_len: int, num_blocks: int) -> EngineConfig:
-        """This config with the values that start-up measured filled in."""
+    def fitted(self, *, max_model_len: int, num_blocks: int, dtype: str | None = None) -> EngineConfig:
+        """This config with the values that start-up measured filled in (and ``auto``'s
+        dtype resolved, when given)."""
         return dataclasses.replace(
             self,
-            model=dataclasses.replace(self.model, max_model_len=max_model_len),
+            model=dataclasses.replace(self.model, max_model_len=max_model_len, dtype=dtype or self.model.dtype),
             cache=dataclasses.replace(self.cache, num_blocks=num_blocks),
         )
 

@@ -8,6 +8,7 @@ wraps it with its wires.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +19,12 @@ from aserve.engine.request import Request
 from aserve.engine.scheduler import Scheduler
 from aserve.errors import ConfigError, PromptTooLongError
 from aserve.model.hf_config import ArchConfig, load_arch_config
-from aserve.model.dtypes import resolve_dtype_name
+from aserve.model.dtypes import cpu_half_dtypes, resolve_dtype_name
 from aserve.model.registry import check_architecture
 from aserve.wire.messages import EngineCoreOutput, EngineCoreRequest
 from aserve.worker.kv_spec import bytes_per_block
+
+logger = logging.getLogger("aserve.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +51,13 @@ def fit_config(config: EngineConfig) -> FittedConfig:
         raise ModelFileNotFoundError(f"model directory {model_dir} does not exist")
     arch = load_arch_config(model_dir)
     check_architecture(arch.architecture)  # fail early, naming the supported ones
-    dtype = resolve_dtype_name(config.model.dtype, arch)
+    # Resolved once, here, and passed on in the fitted config: the workers (and, with
+    # --headless nodes, every node) then compute in the dtype the KV cache was sized for.
+    dtype = resolve_dtype_name(config.model.dtype, arch, cpu_half_dtypes())
+    checkpoint = str(arch.torch_dtype or "float32").removeprefix("torch.")
+    if config.model.dtype == "auto" and dtype != checkpoint:
+        logger.warning("the checkpoint is %s but this CPU has no native %s matrix products: computing in float32 "
+                       "(--dtype %s keeps it)", checkpoint, checkpoint, checkpoint)
     block_size = config.cache.block_size
     per_block = bytes_per_block(arch, tp_size=config.parallel.tensor_parallel_size, dtype=dtype, block_size=block_size)
     num_blocks = config.cache.kv_cache_memory // per_block
@@ -79,7 +88,7 @@ def fit_config(config: EngineConfig) -> FittedConfig:
                 param="max_model_len",
             )
         max_model_len = requested
-    return FittedConfig(config.fitted(max_model_len=max_model_len, num_blocks=num_blocks), arch)
+    return FittedConfig(config.fitted(max_model_len=max_model_len, num_blocks=num_blocks, dtype=dtype), arch)
 
 
 class EngineCore:

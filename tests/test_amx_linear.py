@@ -10,7 +10,7 @@ from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.model.layers.linear import ColumnParallelLinear, prepack_linears
 from aserve.distributed.tp_group import TPGroup
 
-pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (CI and dev machines do)")
+pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from aserve.kernels import amx_linear
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, paged_attention
 from aserve.kernels.cpu_prefill_attention import load
 
-pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (CI and dev machines do)")
+pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from aserve import LLM, SamplingParams
 from aserve.kernels import amx_linear, llama_decode
 
-pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (CI and dev machines do)")
+pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
 
 
 def _model(llm: LLM) -> torch.nn.Module:

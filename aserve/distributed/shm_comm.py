@@ -169,5 +169,10 @@ class ShmCommunicator:
         """Unmap the segment (the file is gone already). The communicator is unusable after."""
         if self._map.closed:
             return
-        del self._bytes
-        self._map.close()
+        self._bytes = None
+        try:
+            self._map.close()
+        except BufferError:
+            # A view is still alive (say in the traceback of a TPPeerLostError being
+            # handled): the mapping goes with the process instead.
+            pass

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(the API servers and engine cores then share those; see docs/configuration.md)")
     run.add_argument("--tp-comm", choices=TP_COMMS, default="shm",
                      help="how CPU workers of one engine exchange activations: shm (shared memory, default) or "
-                          "gloo (gloo's TCP for every collective). CUDA workers use NCCL")
+                          "gloo (gloo's TCP for every collective)")
     run.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
     run.add_argument("--prefix-cache-reserve", type=float, default=DEFAULT_PREFIX_CACHE_RESERVE,
                      help="share of the KV pool that freed, cached prefixes may fill before blocks never used "

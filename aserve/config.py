@@ -107,7 +107,7 @@ class ParallelConfig:
     cpu_affinity: bool = True
     # How CPU workers of one engine exchange activations: "shm" (shared memory; gloo
     # only sets it up and is then released) or "gloo" (every collective over gloo's
-    # TCP). CUDA workers use NCCL whatever this says.
+    # TCP). Workers run on CPU only (CUDA workers over NCCL are issue 3).
     tp_comm: str = "shm"
 
     def __post_init__(self) -> None:

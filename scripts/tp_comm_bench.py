@@ -17,6 +17,7 @@ import random
 import time
 
 from aserve import LLM, SamplingParams
+from aserve.config import TP_COMMS
 
 
 def main(args: argparse.Namespace) -> None:
@@ -40,7 +41,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--tp-comm", default="shm", choices=("shm", "gloo"))
+    parser.add_argument("--tp-comm", default="shm", choices=TP_COMMS)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)

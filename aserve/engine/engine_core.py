@@ -54,7 +54,7 @@ def fit_config(config: EngineConfig) -> FittedConfig:
     # Resolved once, here, and passed on in the fitted config: the workers (and, with
     # --headless nodes, every node) then compute in the dtype the KV cache was sized for.
     dtype = resolve_dtype_name(config.model.dtype, arch, cpu_half_dtypes())
-    checkpoint = str(arch.torch_dtype or "float32").removeprefix("torch.")
+    checkpoint = resolve_dtype_name("auto", arch)  # no CPU given: the checkpoint's own
     if config.model.dtype == "auto" and dtype != checkpoint:
         logger.warning("the checkpoint is %s but this CPU has no native %s matrix products: computing in float32 "
                        "(--dtype %s keeps it)", checkpoint, checkpoint, checkpoint)

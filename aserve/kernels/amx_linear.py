@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from aserve.envs import read_env
-from aserve.kernels.cbuild import load_library
+from aserve.kernels.cbuild import cpu_flags, load_library
 
 _SOURCE = Path(__file__).with_name("cpu_amx_linear.c")
 _HUGE_PAGE = 2 << 20
@@ -116,11 +116,7 @@ def huge_page_arena(numel: int) -> torch.Tensor:
 
 
 def cpu_has_amx() -> bool:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return {"amx_tile", "amx_bf16"} <= set(flags.split(":", 1)[1].split())
+    return {"amx_tile", "amx_bf16"} <= (cpu_flags() or frozenset())
 
 
 def load_amx_library(source: Path, cache_dir: Path, what: str) -> ctypes.CDLL | None:

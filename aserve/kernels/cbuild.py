@@ -39,6 +39,18 @@ def cpu_key() -> str:
     return model + flags or platform.processor()
 
 
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
+    """The instruction-set flags of this x86 CPU, from ``/proc/cpuinfo`` (or the text
+    given); None where they cannot be read (no ``flags`` line: not x86, or no /proc)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    return None if line is None else frozenset(line.split(":", 1)[1].split())
+
+
 def build(source_path: Path, cache_dir: Path, what: str) -> Path | None:
     """The shared object built from ``source_path`` (built now unless cached), or None
     (logged, naming ``what`` falls back) without a compiler or when the build fails.

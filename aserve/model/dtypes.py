@@ -8,9 +8,8 @@ of them ~140 MiB of resident memory); only the workers map these names to
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from aserve.errors import CorruptModelFileError
+from aserve.kernels.cbuild import cpu_flags
 from aserve.model.hf_config import ArchConfig
 
 #: bytes per element of each supported dtype
@@ -22,15 +21,9 @@ _NATIVE_FLAGS = {"bfloat16": {"avx512_bf16", "amx_bf16"}, "float16": {"avx512_fp
 def cpu_half_dtypes(cpuinfo: str | None = None) -> frozenset[str] | None:
     """The half dtypes this x86 CPU multiplies natively, from ``/proc/cpuinfo`` (or the
     text given); None where that cannot be told (no ``flags`` line: not x86, or no /proc)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), None)
-    if line is None:
+    flags = cpu_flags(cpuinfo)
+    if flags is None:
         return None
-    flags = set(line.split(":", 1)[1].split())
     return frozenset(name for name, needs in _NATIVE_FLAGS.items() if flags & needs)
 
 

@@ -25,6 +25,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight and activation dtype (default: the checkpoint's)")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output) to serve")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
+                        help="dtype the KV cache stores keys and values in (default: the model's). bfloat16 under a float32 "
+                        "model halves the cache's memory and the bytes a decode step reads")
     parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator")
 
 
@@ -81,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how CPU workers of one engine exchange activations: shm (shared memory, default) or "
                           "gloo (gloo's TCP for every collective)")
     run.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
+    run.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
+                     help="dtype the KV cache stores keys and values in (default: the model's). bfloat16 under a float32 "
+                     "model halves the cache's memory and the bytes a decode step reads")
     run.add_argument("--prefix-cache-reserve", type=float, default=DEFAULT_PREFIX_CACHE_RESERVE,
                      help="share of the KV pool that freed, cached prefixes may fill before blocks never used "
                           f"yet are touched (default {DEFAULT_PREFIX_CACHE_RESERVE}; 1.0: all of it)")
@@ -158,7 +164,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
+        kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY, kv_cache_dtype=args.kv_cache_dtype,
     )
     output = llm.generate(args.prompt, params)[0]
     print(output.outputs[0].text)
@@ -176,7 +182,7 @@ def _bench(args: argparse.Namespace) -> int:
     from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-              kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY)
+              kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY, kv_cache_dtype=args.kv_cache_dtype)
     if args.bench_command == "throughput":
         result = offline.throughput(llm, num_prompts=args.num_prompts, input_len=args.input_len,
                                     output_len=args.output_len, seed=args.seed)
@@ -290,6 +296,7 @@ def _run(args: argparse.Namespace) -> int:
     engine_kwargs = dict(
         model=model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, dtype=args.dtype, max_model_len=args.max_model_len,
         seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs, prefix_cache_reserve=args.prefix_cache_reserve,
         max_num_batched_tokens=args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK * args.tp,
         worker_threads=args.worker_threads, cpu_affinity=args.cpu_affinity, tp_comm=args.tp_comm,

@@ -50,8 +50,17 @@ class CacheConfig:
     # share of it; beyond, the oldest is evicted rather than a new block's pages touched.
     prefix_cache_reserve: float = DEFAULT_PREFIX_CACHE_RESERVE
     num_blocks: int | None = None  # set by fitting: usable blocks in the pool
+    # The dtype keys and values are stored in ("auto": the model's, resolved by fitting).
+    # A bf16 cache under a float32 model halves the bytes each decode step reads, and
+    # the memory per token (vLLM's --kv-cache-dtype); attention still computes in the
+    # model's dtype, over the stored (rounded) keys and values.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}"
+                              + (" (no fp8 KV cache on CPU)" if self.kv_cache_dtype.startswith("fp8") else ""),
+                              param="kv_cache_dtype")
         if not 0.0 <= self.prefix_cache_reserve <= 1.0:
             raise ConfigError(f"prefix_cache_reserve must be in [0, 1], got {self.prefix_cache_reserve}",
                               param="prefix_cache_reserve")
@@ -183,13 +192,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
 
-    def fitted(self, *, max_model_len: int, num_blocks: int, dtype: str | None = None) -> EngineConfig:
+    def fitted(self, *, max_model_len: int, num_blocks: int, dtype: str | None = None,
+               kv_cache_dtype: str | None = None) -> EngineConfig:
         """This config with the values that start-up measured filled in (and ``auto``'s
-        dtype resolved, when given)."""
+        dtypes resolved, when given)."""
         return dataclasses.replace(
             self,
             model=dataclasses.replace(self.model, max_model_len=max_model_len, dtype=dtype or self.model.dtype),
-            cache=dataclasses.replace(self.cache, num_blocks=num_blocks),
+            cache=dataclasses.replace(self.cache, num_blocks=num_blocks,
+                                      kv_cache_dtype=kv_cache_dtype or self.cache.kv_cache_dtype),
         )
 
     @property

@@ -39,7 +39,8 @@ def reference(q, keys, values, block_table, seq_lens, scale):
     (3, 8, 1, 128, 8),     # one KV head, head_dim 128, small blocks
     (4, 6, 3, 32, 16),     # a head_dim without its own specialisation
     (2, 126, 3, 32, 16),   # more query heads than one task holds: split by KV heads
-    (3, 4, 2, 48, 16),     # head_dim not a multiple of 32: the portable C loop, not AVX-512
+    (3, 4, 2, 48, 16),     # head_dim 48: whole AVX2 vectors, but not whole AVX-512 bf16 pairs
+    (3, 4, 2, 36, 16),     # no whole vectors: the portable C loop
     (2, 16, 2, 32, 16),    # 8 query heads per KV head, taken in one group
     (3, 3, 1, 64, 16),     # 3 query heads per KV head: groups of one
 ])
@@ -139,3 +140,37 @@ def test_writes_the_new_tokens_before_attending(attend, dtype):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="both"):
         attend(q, cache[0], cache[1], block_table, seq_lens, dim**-0.5, new_k, None)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("dim", [64, 36])  # a vector path, and the portable loop
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cache_in_another_dtype_than_the_queries(attend, q_dtype, kv_dtype, dim, threads):
+    """``--kv-cache-dtype``: the new keys and values are rounded into the cache's dtype,
+    and the output, in the queries' dtype, is attention over the cache as it is stored."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(11 + dim)
+        batch, hq, hk, block_size = 6, 4, 2, 16
+        cache = torch.randn(2, batch * 19 + 1, block_size, hk, dim, generator=gen).to(kv_dtype)
+        seq_lens = torch.tensor([1, 16, 17, 40, 33, 300])
+        # No block in two rows: a row's new token must not land in another row's keys.
+        block_table = torch.randperm(batch * 19, generator=gen).view(batch, 19) + 1
+        q = torch.randn(batch, hq, dim, generator=gen).to(q_dtype)
+        kv = torch.randn(batch, 2 * hk, dim, generator=gen).to(q_dtype)
+        new_k, new_v = kv[:, :hk], kv[:, hk:]
+        expected_cache = cache.clone()
+        for b in range(batch):
+            pos = int(seq_lens[b]) - 1
+            block = int(block_table[b, pos // block_size])
+            expected_cache[0, block, pos % block_size] = new_k[b].to(kv_dtype)
+            expected_cache[1, block, pos % block_size] = new_v[b].to(kv_dtype)
+        out = attend(q, cache[0], cache[1], block_table, seq_lens, dim**-0.5, new_k, new_v)
+        assert out.dtype == q_dtype and out.shape == (batch, hq, dim)
+        assert torch.equal(cache, expected_cache)
+        expected = reference(q, expected_cache[0], expected_cache[1], block_table, seq_lens, dim**-0.5)
+        tol = 1e-5 if q_dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(old)

@@ -58,8 +58,9 @@ def fit_config(config: EngineConfig) -> FittedConfig:
     if config.model.dtype == "auto" and dtype != checkpoint:
         logger.warning("the checkpoint is %s but this CPU has no native %s matrix products: computing in float32 "
                        "(--dtype %s keeps it)", checkpoint, checkpoint, checkpoint)
+    kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype
     block_size = config.cache.block_size
-    per_block = bytes_per_block(arch, tp_size=config.parallel.tensor_parallel_size, dtype=dtype, block_size=block_size)
+    per_block = bytes_per_block(arch, tp_size=config.parallel.tensor_parallel_size, dtype=kv_dtype, block_size=block_size)
     num_blocks = config.cache.kv_cache_memory // per_block
     if num_blocks < 2:
         raise ConfigError(
@@ -88,7 +89,8 @@ def fit_config(config: EngineConfig) -> FittedConfig:
                 param="max_model_len",
             )
         max_model_len = requested
-    return FittedConfig(config.fitted(max_model_len=max_model_len, num_blocks=num_blocks, dtype=dtype), arch)
+    return FittedConfig(config.fitted(max_model_len=max_model_len, num_blocks=num_blocks, dtype=dtype,
+                                      kv_cache_dtype=kv_dtype), arch)
 
 
 class EngineCore:

@@ -159,6 +159,7 @@ class AsyncLLM:
         max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
+        kv_cache_dtype: str = "auto",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         prefix_cache_reserve: float = DEFAULT_PREFIX_CACHE_RESERVE,
@@ -171,8 +172,8 @@ class AsyncLLM:
         self.config = make_engine_config(
             model, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
             worker_threads=worker_threads, cpu_affinity=cpu_affinity, tp_comm=tp_comm, dtype=dtype,
-            max_model_len=max_model_len, seed=seed, kv_cache_memory=kv_cache_memory, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, prefix_cache_reserve=prefix_cache_reserve,
+            max_model_len=max_model_len, seed=seed, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching, prefix_cache_reserve=prefix_cache_reserve,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )

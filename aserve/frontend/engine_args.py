@@ -54,6 +54,7 @@ def make_engine_config(
     long_prefill_token_threshold: int | None = None,
     cpu_affinity: bool = True,
     tp_comm: str = "shm",
+    kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     """Raises ``ConfigError`` (naming the field) for an invalid value.
 
@@ -64,7 +65,8 @@ def make_engine_config(
     return EngineConfig(
         model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                          enable_prefix_caching=enable_prefix_caching, prefix_cache_reserve=prefix_cache_reserve),
+                          enable_prefix_caching=enable_prefix_caching, prefix_cache_reserve=prefix_cache_reserve,
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,

@@ -10,6 +10,11 @@ KV cache of one layer::
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = keys, 1 = values)
     slot = block_id * block_size + offset_in_block
 
+The cache may store a narrower dtype than the model computes in (``--kv-cache-dtype``):
+keys and values are rounded to it as they are written, and every path attends over
+the values as stored, in the model's dtype, the current chunk's own keys included, so
+the C kernels and SDPA compute the same thing.
+
 Reads gather whole blocks (``index_select`` of contiguous rows, the fastest gather on a
 CPU) and mask the keys past each sequence's end. The cache starts as zeros and only
 ever holds finite values, so a masked position multiplies a finite value by zero.
@@ -98,8 +103,13 @@ class LayerKV:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    kv_cache[0].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    kv_cache[0].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def as_stored(t: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (keys or values) as a cache of ``cache_dtype`` holds them, in ``t``'s dtype."""
+    return t if t.dtype == cache_dtype else t.to(cache_dtype).to(t.dtype)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,13 +166,13 @@ def paged_attention(
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, S, D]
         if chunk.block_ids is None:
-            kc = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-            vc = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            kc = as_stored(k[chunk.start : chunk.end], kv_cache.dtype).transpose(0, 1).unsqueeze(0)
+            vc = as_stored(v[chunk.start : chunk.end], kv_cache.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             # [1, Hk, blocks * block_size, D]
-            kc = gather_blocks(kv_cache[0], chunk.block_ids, kbuf).transpose(0, 1).unsqueeze(0)
-            vc = gather_blocks(kv_cache[1], chunk.block_ids, vbuf).transpose(0, 1).unsqueeze(0)
+            kc = gather_blocks(kv_cache[0], chunk.block_ids, kbuf).transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vc = gather_blocks(kv_cache[1], chunk.block_ids, vbuf).transpose(0, 1).unsqueeze(0).to(q.dtype)
             n_q = chunk.end - chunk.start
             # Query i (at position context_len + i) sees keys 0 .. context_len + i.
             mask = torch.arange(kc.shape[2]) <= (chunk.context_len + torch.arange(n_q)).unsqueeze(1)
@@ -184,6 +194,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_k
         assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None
         staged_k, staged_v = layer_kv.staged_keys, layer_kv.staged_values
         d = k.shape[-1]
+        k, v = as_stored(k, kv_cache.dtype), as_stored(v, kv_cache.dtype)
         staged_k.view(-1, d).index_copy_(0, meta.decode_write_index, k.reshape(-1, d))
         staged_v.view(-1, d).index_copy_(0, meta.decode_write_index, v.reshape(-1, d))
         length = meta.decode_len
@@ -196,8 +207,8 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_k
     else:
         assert meta.decode_block_table is not None
         kbuf, vbuf = meta.gather_buffers or (None, None)
-        keys = gather_blocks(kv_cache[0], meta.decode_block_table, kbuf).transpose(1, 2)  # [B, Hk, L, D]
-        values = gather_blocks(kv_cache[1], meta.decode_block_table, vbuf).transpose(1, 2)
+        keys = gather_blocks(kv_cache[0], meta.decode_block_table, kbuf).transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]
+        values = gather_blocks(kv_cache[1], meta.decode_block_table, vbuf).transpose(1, 2).to(q.dtype)
     return F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
     ).squeeze(2)  # [B, Hq, D]

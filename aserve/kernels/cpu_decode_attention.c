@@ -7,8 +7,13 @@
  * share a KV head (grouped-query attention) are handled together, and a token's keys
  * (values) of all heads are read as one row, in memory order, so each block streams.
  *
- * With AVX-512 (and a head_dim that is a multiple of 32) a vectorised form of the same
- * task runs instead; see one_task_avx512.
+ * The cache may hold a different dtype from the query's (a bf16 cache under a float32
+ * model halves the bytes each step reads): q, the new keys and values, and the output
+ * are in one dtype (q_bf16), the cache in another (kv_bf16); new keys and values are
+ * rounded to the cache's dtype as they are written.
+ *
+ * With AVX-512 or AVX2 (cpu_simd.h) and a head_dim that fills whole vectors, a
+ * vectorised form of the same task runs instead; see one_task_simd.
  *
  * Built at run time by aserve/kernels/cpu_decode_attention.py (gcc -O3 -march=native)
  * and called through ctypes with raw pointers: no Python or torch headers, so the build
@@ -24,6 +29,7 @@
 #endif
 
 #include "cpu_kernels.h"
+#include "cpu_simd.h"
 
 #define MAX_HEADS 64    /* query heads in one task (and per KV head) */
 #define MAX_DIM 512     /* head_dim */
@@ -42,7 +48,8 @@ typedef struct {
     int64_t out_stride_b, out_stride_h; /* elements */
     int64_t kv_stride_block, kv_stride_token, kv_stride_head; /* elements, same for K and V */
     float scale;
-    int is_bf16;
+    int q_bf16;  /* q, k_new, v_new and out are bf16 (else float32) */
+    int kv_bf16; /* the cache is bf16 (else float32) */
     int num_threads;
 } Args;
 
@@ -50,6 +57,40 @@ typedef struct {
 typedef struct {
     int64_t b, hk0, hk1;
 } Task;
+
+/* This step's keys and values of sequence b, KV heads [hk0, hk1), into the slot of
+ * position L - 1: by the thread that reads that block next, so the write and the read
+ * share the cache lines. Rounded to the cache's dtype where it differs. */
+static inline void write_new_kv(const Args *a, int64_t b, int64_t hk0, int64_t hk1, int64_t L, int64_t D) {
+    const int64_t bs = a->block_size;
+    const int64_t slot = a->block_table[b * a->max_blocks + (L - 1) / bs] * a->kv_stride_block
+                         + ((L - 1) % bs) * a->kv_stride_token;
+    const size_t in_elt = a->q_bf16 ? 2 : 4, elt = a->kv_bf16 ? 2 : 4;
+    for (int64_t hk = hk0; hk < hk1; hk++) {
+        const int64_t dst = slot + hk * a->kv_stride_head;
+        const char *src[2] = {(const char *)a->k_new + (b * a->k_new_stride_b + hk * a->k_new_stride_h) * in_elt,
+                              (const char *)a->v_new + (b * a->v_new_stride_b + hk * a->v_new_stride_h) * in_elt};
+        char *dst_p[2] = {(char *)a->k + dst * elt, (char *)a->v + dst * elt};
+        for (int h = 0; h < 2; h++) {
+            if (a->q_bf16 == a->kv_bf16) memcpy(dst_p[h], src[h], D * elt);
+            else if (a->kv_bf16)
+                for (int64_t i = 0; i < D; i++) ((uint16_t *)dst_p[h])[i] = float_to_bf16(((const float *)src[h])[i]);
+            else
+                for (int64_t i = 0; i < D; i++) ((float *)dst_p[h])[i] = bf16_to_float(((const uint16_t *)src[h])[i]);
+        }
+    }
+}
+
+static inline float load_q(const Args *a, int64_t b, int64_t h, int64_t i) {
+    const int64_t at = b * a->q_stride_b + h * a->q_stride_h + i;
+    return a->q_bf16 ? bf16_to_float(((const uint16_t *)a->q)[at]) : ((const float *)a->q)[at];
+}
+
+static inline void store_out(const Args *a, int64_t b, int64_t h, int64_t i, float val) {
+    const int64_t at = b * a->out_stride_b + h * a->out_stride_h + i;
+    if (a->q_bf16) ((uint16_t *)a->out)[at] = float_to_bf16(val);
+    else ((float *)a->out)[at] = val;
+}
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float s = 0.f;
@@ -74,36 +115,16 @@ static inline void axpy_bf16(float *acc, float p, const uint16_t *v, int64_t n) 
 /* Sequence b, KV heads [hk0, hk1): reads each token's row of those heads in one pass,
  * in memory order, so the hardware prefetcher streams the blocks. */
 static inline __attribute__((always_inline)) void one_task(const Args *a, int64_t b, int64_t hk0, int64_t hk1,
-                                                             const Task *next, const int64_t D, const int is_bf16) {
+                                                             const Task *next, const int64_t D, const int kv_bf16) {
     (void)next; /* no software prefetch here */
     const int64_t G = a->Hq / a->Hk, bs = a->block_size;
     const int64_t NH = (hk1 - hk0) * G; /* query heads of this task */
     const int64_t L = a->seq_lens[b];
     float q[MAX_HEADS][MAX_DIM], acc[MAX_HEADS][MAX_DIM], s[MAX_HEADS][MAX_BLOCK];
     float m[MAX_HEADS], l[MAX_HEADS];
-    if (a->k_new != NULL && L > 0) {
-        /* This token's keys and values, into the slot of position L - 1: by the thread
-           that reads that block next, so the write and the read share the cache lines. */
-        const int64_t slot = a->block_table[b * a->max_blocks + (L - 1) / bs] * a->kv_stride_block
-                             + ((L - 1) % bs) * a->kv_stride_token;
-        const size_t elt = is_bf16 ? 2 : 4;
-        for (int64_t hk = hk0; hk < hk1; hk++) {
-            const int64_t dst = slot + hk * a->kv_stride_head;
-            const int64_t k_src = b * a->k_new_stride_b + hk * a->k_new_stride_h;
-            const int64_t v_src = b * a->v_new_stride_b + hk * a->v_new_stride_h;
-            memcpy((char *)a->k + dst * elt, (const char *)a->k_new + k_src * elt, D * elt);
-            memcpy((char *)a->v + dst * elt, (const char *)a->v_new + v_src * elt, D * elt);
-        }
-    }
+    if (a->k_new != NULL && L > 0) write_new_kv(a, b, hk0, hk1, L, D);
     for (int64_t j = 0; j < NH; j++) {
-        const int64_t h = hk0 * G + j;
-        if (is_bf16) {
-            const uint16_t *src = (const uint16_t *)a->q + b * a->q_stride_b + h * a->q_stride_h;
-            for (int64_t i = 0; i < D; i++) q[j][i] = bf16_to_float(src[i]) * a->scale;
-        } else {
-            const float *src = (const float *)a->q + b * a->q_stride_b + h * a->q_stride_h;
-            for (int64_t i = 0; i < D; i++) q[j][i] = src[i] * a->scale;
-        }
+        for (int64_t i = 0; i < D; i++) q[j][i] = load_q(a, b, hk0 * G + j, i) * a->scale;
         memset(acc[j], 0, sizeof(float) * D);
         m[j] = -FLT_MAX;
         l[j] = 0.f;
@@ -116,8 +137,8 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
                 const int64_t off = base + t * a->kv_stride_token + hk * a->kv_stride_head;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t j = (hk - hk0) * G + g;
-                    s[j][t] = is_bf16 ? dot_bf16(q[j], (const uint16_t *)a->k + off, D)
-                                         : dot_f32(q[j], (const float *)a->k + off, D);
+                    s[j][t] = kv_bf16 ? dot_bf16(q[j], (const uint16_t *)a->k + off, D)
+                                      : dot_f32(q[j], (const float *)a->k + off, D);
                 }
             }
         }
@@ -142,135 +163,102 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
                 const int64_t off = base + t * a->kv_stride_token + hk * a->kv_stride_head;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t j = (hk - hk0) * G + g;
-                    if (is_bf16) axpy_bf16(acc[j], s[j][t], (const uint16_t *)a->v + off, D);
+                    if (kv_bf16) axpy_bf16(acc[j], s[j][t], (const uint16_t *)a->v + off, D);
                     else axpy_f32(acc[j], s[j][t], (const float *)a->v + off, D);
                 }
             }
         }
     }
     for (int64_t j = 0; j < NH; j++) {
-        const int64_t h = hk0 * G + j;
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-        if (is_bf16) {
-            uint16_t *dst = (uint16_t *)a->out + b * a->out_stride_b + h * a->out_stride_h;
-            for (int64_t i = 0; i < D; i++) dst[i] = float_to_bf16(acc[j][i] * inv);
-        } else {
-            float *dst = (float *)a->out + b * a->out_stride_b + h * a->out_stride_h;
-            for (int64_t i = 0; i < D; i++) dst[i] = acc[j][i] * inv;
-        }
+        for (int64_t i = 0; i < D; i++) store_out(a, b, hk0 * G + j, i, acc[j][i] * inv);
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(ASERVE_SIMD)
 
-/* The same task with AVX-512, a sequence CHUNK tokens at a time, in three passes:
- *   1. the scores of every head of the task, 16 tokens at a time: 16 independent dot
- *      products per head, reduced together by a transpose-and-add tree (15 shuffles and
- *      adds for all 16 instead of 16 horizontal sums);
+/* The same task with vectors of VL floats (cpu_simd.h), a sequence CHUNK tokens at a
+ * time, in three passes:
+ *   1. the scores of every head of the task, VL tokens at a time: VL independent dot
+ *      products per head, reduced together by a transpose-and-add tree (vf_sum_lanes)
+ *      instead of VL horizontal sums;
  *   2. per head, the chunk's maximum, the exponentials (a vector exp) and their sum, and
  *      the running sums rescaled to the new maximum;
- *   3. the weighted values, 16 tokens at a time (a lone head with two accumulators).
- * Passes 1 and 3 read the chunk's rows in memory order and prefetch two groups ahead,
+ *   3. the weighted values, VL tokens at a time (a lone head with two accumulators).
+ * Passes 1 and 3 read the chunk's rows in memory order and prefetch AHEAD tokens ahead,
  * spread over the heads (the next block is usually on another page, where the hardware
  * prefetcher stops). Near a pass's end the lookahead runs on into the rows read next:
  * the chunk's values, then the next chunk's keys or the first keys of the thread's next
  * task, so no pass starts cold (152M shape, two threads: 2-3% a layer). Both take the
  * query heads that share a KV head (grouped-query attention) in groups of GB, a power of
- * two whose rows fit 16 registers: each key or value row is loaded and widened once per
- * group, not once per query head (one thread, 32 rows of 192 tokens: 4 query heads on
- * 2 KV heads 194-220 -> 167-190 us a layer, 16 on 2 491-534 -> 377-408 us; 32 on 8 at
- * 512 tokens 1.43-1.49 -> 1.16 ms).
+ * two whose rows fit half the registers: each key or value row is loaded and widened
+ * once per group, not once per query head (AVX-512, one thread, 32 rows of 192 tokens:
+ * 4 query heads on 2 KV heads 194-220 -> 167-190 us a layer, 16 on 2 491-534 -> 377-408
+ * us; 32 on 8 at 512 tokens 1.43-1.49 -> 1.16 ms).
  * The portable loop above softmaxes block by block in one chain of dependent
- * reductions; this one gives the core independent work to overlap, and reads the cache
- * at about 24 GB/s on two cores of this machine (29 GB/s is a plain read loop's) against
- * 12 (152M model: 2.2 -> 1.06 ms a layer).
+ * reductions, and has no software prefetch; this one gives the core independent work
+ * to overlap. With AVX-512 it reads the cache at about 24 GB/s on two cores of the
+ * Intel machine (29 GB/s is a plain read loop's) against 12 (152M model: 2.2 -> 1.06
+ * ms a layer); with AVX2 on the AMD machine, see docs/performance.md.
  *
- * bfloat16 rows are widened without shuffles: a 32-bit lane holding elements (2i, 2i+1)
- * gives element 2i by a left shift and element 2i+1 by a mask, so a row of D elements is
- * held as D/16 vectors in an even/odd order ("slots"), the same for the query, the keys,
- * the values and the accumulator, and put back in order only for the output. */
+ * The query rows are put in the cache rows' slot order (vf_slot_element) once per
+ * task, and the output back in element order at its end. */
 
 #define CHUNK 256
-#define MAX_VEC (MAX_DIM / 16)
-#define MAX_GB 8 /* query heads per pass over a KV head's rows (see one_task_avx512) */
+#define AHEAD 32 /* tokens: how far ahead passes 1 and 3 prefetch */
+#define MAX_VEC (MAX_DIM / VL)
+#define MAX_GB 8 /* query heads per pass over a KV head's rows (see one_task_simd) */
 
-/* Row of D elements -> nv = D / 16 float vectors (bf16: slot 2c holds elements 32c + 2l,
- * slot 2c + 1 elements 32c + 2l + 1; float32: slot s holds elements 16s + l). */
-static inline __attribute__((always_inline)) void load_row(const char *p, __m512 *v, const int64_t nv, const int is_bf16) {
+/* Row of D elements -> nv = D / VL vectors, in slot order. */
+static inline __attribute__((always_inline)) void load_row(const char *p, vf *v, const int64_t nv, const int is_bf16) {
     if (is_bf16) {
-        const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-        for (int64_t c = 0; c < nv / 2; c++) {
-            const __m512i u = _mm512_loadu_si512((const void *)(p + c * 64));
-            v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-            v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(u, hi));
-        }
+        for (int64_t c = 0; c < nv / 2; c++) vf_load_bf16(p + c * 4 * VL, &v[2 * c], &v[2 * c + 1]);
     } else {
-        for (int64_t i = 0; i < nv; i++) v[i] = _mm512_loadu_ps((const float *)p + 16 * i);
+        for (int64_t i = 0; i < nv; i++) v[i] = vf_loadu((const float *)p + VL * i);
     }
 }
 
-static inline int64_t slot_element(int64_t slot, int64_t lane, const int is_bf16) {
-    return is_bf16 ? 32 * (slot / 2) + 2 * lane + (slot % 2) : 16 * slot + lane;
-}
-
-/* Lane t of the result is the sum of the 16 lanes of v[t]. */
-static inline __m512 sum16x16(const __m512 v[16]) {
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit chunk: pairs of lanes of v[2i] and v[2i+1] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit chunk c: the chunk's sum of v[4i .. 4i+3] */
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    /* Chunk c of the result: b[c] summed over its four chunks. */
-    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
-    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
-
-/* One pass of the scores over 16 (cnt valid) tokens for GB query heads of one KV
+/* One pass of the scores over VL (cnt valid) tokens for GB query heads of one KV
  * head: each key row is loaded and widened once and multiplied by every query row. */
 typedef struct {
     const Args *a;
-    int64_t b, h0;                /* sequence; first query head (absolute) of the group */
+    const float (*q)[MAX_DIM];    /* the task's query rows, in slot order */
     const char *kbase;            /* key cache half, offset to this KV head */
-    const int64_t *row;           /* byte offset of each of the 16 tokens' rows */
+    const int64_t *row;           /* byte offset of each of the VL tokens' rows */
     int64_t cnt;
     float (*s)[CHUNK];            /* scores of the task's heads */
     float *mx;                    /* running maximum of each of the task's heads */
     int64_t j0, t0;               /* first head of the group within the task; first token */
 } ScoreArgs;
 
-static inline __attribute__((always_inline)) void score_group(const ScoreArgs *sa, const int64_t D, const int is_bf16,
+static inline __attribute__((always_inline)) void score_group(const ScoreArgs *sa, const int64_t D, const int kv_bf16,
                                                                 const int64_t GB) {
-    const Args *a = sa->a;
-    const int64_t nv = D / 16, elt = is_bf16 ? 2 : 4, cnt = sa->cnt;
-    __m512 qv[MAX_VEC], kv[MAX_VEC], dots[MAX_GB][16];
+    const int64_t nv = D / VL, cnt = sa->cnt;
+    vf qv[MAX_VEC], kv[MAX_VEC], dots[MAX_GB][VL];
     for (int64_t g = 0; g < GB; g++)
-        load_row((const char *)a->q + (sa->b * a->q_stride_b + (sa->h0 + g) * a->q_stride_h) * elt, qv + g * nv, nv, is_bf16);
-    for (int64_t t = 0; t < 16; t++) {
+        for (int64_t i = 0; i < nv; i++) qv[g * nv + i] = vf_load(sa->q[sa->j0 + g] + VL * i);
+    for (int64_t t = 0; t < VL; t++) {
         if (t < cnt) {
-            load_row(sa->kbase + sa->row[t], kv, nv, is_bf16);
+            load_row(sa->kbase + sa->row[t], kv, nv, kv_bf16);
             for (int64_t g = 0; g < GB; g++) {
-                __m512 d = _mm512_setzero_ps();
-                for (int64_t i = 0; i < nv; i++) d = _mm512_fmadd_ps(qv[g * nv + i], kv[i], d);
+                vf d = vf_zero();
+                for (int64_t i = 0; i < nv; i++) d = vf_fmadd(qv[g * nv + i], kv[i], d);
                 dots[g][t] = d;
             }
         } else {
-            for (int64_t g = 0; g < GB; g++) dots[g][t] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < GB; g++) dots[g][t] = vf_zero();
         }
     }
     for (int64_t g = 0; g < GB; g++) {
         const int64_t j = sa->j0 + g;
-        const __m512 sc = _mm512_mask_blend_ps((__mmask16)((1u << cnt) - 1u), _mm512_set1_ps(-FLT_MAX),
-                                               _mm512_mul_ps(sum16x16(dots[g]), _mm512_set1_ps(a->scale)));
-        _mm512_store_ps(sa->s[j] + sa->t0, sc);
-        const float gm = _mm512_reduce_max_ps(sc);
+        const vf sc = vf_first(vf_mul(vf_sum_lanes(dots[g]), vf_set1(sa->a->scale)), cnt, -FLT_MAX);
+        vf_store(sa->s[j] + sa->t0, sc);
+        const float gm = vf_reduce_max(sc);
         sa->mx[j] = gm > sa->mx[j] ? gm : sa->mx[j];
     }
 }
 
-/* The weighted values of 16 (cnt valid) tokens for GB query heads of one KV head:
+/* The weighted values of VL (cnt valid) tokens for GB query heads of one KV head:
  * each value row is loaded and widened once. One head keeps two accumulators (twice
  * the FMAs in flight); GB heads have GB * nv independent ones already. */
 typedef struct {
@@ -282,79 +270,78 @@ typedef struct {
     int64_t j0, t0;
 } ValueArgs;
 
-static inline __attribute__((always_inline)) void value_group(const ValueArgs *va, const int64_t D, const int is_bf16,
+static inline __attribute__((always_inline)) void value_group(const ValueArgs *va, const int64_t D, const int kv_bf16,
                                                                 const int64_t GB) {
-    const int64_t nv = D / 16, cnt = va->cnt, j0 = va->j0, t0 = va->t0;
-    __m512 kv[MAX_VEC], av[MAX_VEC], bv[MAX_VEC];
+    const int64_t nv = D / VL, cnt = va->cnt, j0 = va->j0, t0 = va->t0;
+    vf kv[MAX_VEC], av[MAX_VEC], bv[MAX_VEC];
     if (GB == 1) {
         for (int64_t i = 0; i < nv; i++) {
-            av[i] = _mm512_load_ps(va->acc[j0] + 16 * i);
-            bv[i] = _mm512_setzero_ps();
+            av[i] = vf_load(va->acc[j0] + VL * i);
+            bv[i] = vf_zero();
         }
         int64_t t = 0;
         for (; t + 1 < cnt; t += 2) {
-            const __m512 p0 = _mm512_set1_ps(va->s[j0][t0 + t]), p1 = _mm512_set1_ps(va->s[j0][t0 + t + 1]);
-            load_row(va->vbase + va->row[t], kv, nv, is_bf16);
-            for (int64_t i = 0; i < nv; i++) av[i] = _mm512_fmadd_ps(p0, kv[i], av[i]);
-            load_row(va->vbase + va->row[t + 1], kv, nv, is_bf16);
-            for (int64_t i = 0; i < nv; i++) bv[i] = _mm512_fmadd_ps(p1, kv[i], bv[i]);
+            const vf p0 = vf_set1(va->s[j0][t0 + t]), p1 = vf_set1(va->s[j0][t0 + t + 1]);
+            load_row(va->vbase + va->row[t], kv, nv, kv_bf16);
+            for (int64_t i = 0; i < nv; i++) av[i] = vf_fmadd(p0, kv[i], av[i]);
+            load_row(va->vbase + va->row[t + 1], kv, nv, kv_bf16);
+            for (int64_t i = 0; i < nv; i++) bv[i] = vf_fmadd(p1, kv[i], bv[i]);
         }
         if (t < cnt) {
-            const __m512 p0 = _mm512_set1_ps(va->s[j0][t0 + t]);
-            load_row(va->vbase + va->row[t], kv, nv, is_bf16);
-            for (int64_t i = 0; i < nv; i++) av[i] = _mm512_fmadd_ps(p0, kv[i], av[i]);
+            const vf p0 = vf_set1(va->s[j0][t0 + t]);
+            load_row(va->vbase + va->row[t], kv, nv, kv_bf16);
+            for (int64_t i = 0; i < nv; i++) av[i] = vf_fmadd(p0, kv[i], av[i]);
         }
-        for (int64_t i = 0; i < nv; i++) _mm512_store_ps(va->acc[j0] + 16 * i, _mm512_add_ps(av[i], bv[i]));
+        for (int64_t i = 0; i < nv; i++) vf_store(va->acc[j0] + VL * i, vf_add(av[i], bv[i]));
         return;
     }
     for (int64_t g = 0; g < GB; g++)
-        for (int64_t i = 0; i < nv; i++) av[g * nv + i] = _mm512_load_ps(va->acc[j0 + g] + 16 * i);
+        for (int64_t i = 0; i < nv; i++) av[g * nv + i] = vf_load(va->acc[j0 + g] + VL * i);
     for (int64_t t = 0; t < cnt; t++) {
-        load_row(va->vbase + va->row[t], kv, nv, is_bf16);
+        load_row(va->vbase + va->row[t], kv, nv, kv_bf16);
         for (int64_t g = 0; g < GB; g++) {
-            const __m512 p = _mm512_set1_ps(va->s[j0 + g][t0 + t]);
-            for (int64_t i = 0; i < nv; i++) av[g * nv + i] = _mm512_fmadd_ps(p, kv[i], av[g * nv + i]);
+            const vf p = vf_set1(va->s[j0 + g][t0 + t]);
+            for (int64_t i = 0; i < nv; i++) av[g * nv + i] = vf_fmadd(p, kv[i], av[g * nv + i]);
         }
     }
     for (int64_t g = 0; g < GB; g++)
-        for (int64_t i = 0; i < nv; i++) _mm512_store_ps(va->acc[j0 + g] + 16 * i, av[g * nv + i]);
+        for (int64_t i = 0; i < nv; i++) vf_store(va->acc[j0 + g] + VL * i, av[g * nv + i]);
 }
 
-static inline __attribute__((always_inline)) void one_task_avx512(const Args *a, int64_t b, int64_t hk0, int64_t hk1,
-                                                                    const Task *next, const int64_t D, const int is_bf16) {
-    const int64_t G = a->Hq / a->Hk, bs = a->block_size, nv = D / 16, elt = is_bf16 ? 2 : 4;
+static inline __attribute__((always_inline)) void one_task_simd(const Args *a, int64_t b, int64_t hk0, int64_t hk1,
+                                                                  const Task *next, const int64_t D, const int kv_bf16) {
+    const int64_t G = a->Hq / a->Hk, bs = a->block_size, nv = D / VL, elt = kv_bf16 ? 2 : 4;
     const int64_t NH = (hk1 - hk0) * G;
     /* Query heads of one KV head taken together: their rows (or accumulators) in at most
-       16 registers. */
-    int64_t GB = MAX_GB; /* a power of two that divides G, with GB * nv <= 16 */
-    while (GB > 1 && (G % GB || GB * nv > 16)) GB /= 2;
+       half the registers. */
+    int64_t GB = MAX_GB; /* a power of two that divides G, with GB * nv <= VREGS / 2 */
+    while (GB > 1 && (G % GB || GB * nv > VREGS / 2)) GB /= 2;
     const int64_t L = a->seq_lens[b];
     const int64_t *table = a->block_table + b * a->max_blocks;
     const int64_t *next_table = next != NULL ? a->block_table + next->b * a->max_blocks : NULL;
     const int64_t next_L = next != NULL ? a->seq_lens[next->b] : 0;
+    float q[MAX_HEADS][MAX_DIM] __attribute__((aligned(64)));
     float acc[MAX_HEADS][MAX_DIM] __attribute__((aligned(64)));
     float s[MAX_HEADS][CHUNK] __attribute__((aligned(64)));
     float m[MAX_HEADS], l[MAX_HEADS], mx[MAX_HEADS];
-    int64_t row[CHUNK + 32]; /* byte offset of each token's row (first head of the task) in the cache halves */
-    if (a->k_new != NULL && L > 0) {
-        const int64_t slot = table[(L - 1) / bs] * a->kv_stride_block + ((L - 1) % bs) * a->kv_stride_token;
-        for (int64_t hk = hk0; hk < hk1; hk++) {
-            const int64_t dst = slot + hk * a->kv_stride_head;
-            memcpy((char *)a->k + dst * elt, (const char *)a->k_new + (b * a->k_new_stride_b + hk * a->k_new_stride_h) * elt, D * elt);
-            memcpy((char *)a->v + dst * elt, (const char *)a->v_new + (b * a->v_new_stride_b + hk * a->v_new_stride_h) * elt, D * elt);
-        }
-    }
+    int64_t row[CHUNK + AHEAD]; /* byte offset of each token's row (first head of the task) in the cache halves */
+    if (a->k_new != NULL && L > 0) write_new_kv(a, b, hk0, hk1, L, D);
     for (int64_t j = 0; j < NH; j++) {
+        for (int64_t sl = 0; sl < nv; sl++)
+            for (int64_t lane = 0; lane < VL; lane++)
+                q[j][VL * sl + lane] = load_q(a, b, hk0 * G + j, vf_slot_element(sl, lane, kv_bf16));
         memset(acc[j], 0, sizeof(float) * D);
         m[j] = -FLT_MAX;
         l[j] = 0.f;
     }
     const char *kbase = (const char *)a->k, *vbase = (const char *)a->v;
     for (int64_t c0 = 0; c0 < L; c0 += CHUNK) {
-        const int64_t n = L - c0 < CHUNK ? L - c0 : CHUNK, n16 = (n + 15) & ~(int64_t)15;
+        /* n rounded up to whole vectors: where the lookahead past the chunk's keys
+           reaches its values (and past its values the next keys). */
+        const int64_t n = L - c0 < CHUNK ? L - c0 : CHUNK, n_up = (n + VL - 1) & ~(int64_t)(VL - 1);
         const int last_chunk = c0 + CHUNK >= L;
-        /* Two groups past the chunk too, for prefetching (clamped to the sequence). */
-        const int64_t n_ahead = L - c0 < CHUNK + 32 ? L - c0 : CHUNK + 32;
+        /* AHEAD tokens past the chunk too, for prefetching (clamped to the sequence). */
+        const int64_t n_ahead = L - c0 < CHUNK + AHEAD ? L - c0 : CHUNK + AHEAD;
         /* One division per block, not per token (bs is not a compile-time constant:
            7M model, 32 rows: 250 -> 212 us a layer). */
         for (int64_t t = 0, pos = c0; t < n_ahead;) {
@@ -363,8 +350,8 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
             for (int64_t o = first; o < bs && t < n_ahead; o++, t++, pos++)
                 row[t] = (base + o * a->kv_stride_token) * elt;
         }
-        /* Scores, 16 tokens at a time, every head of the task: each group's rows are read
-           in memory order, and the group after next is prefetched (a new block is
+        /* Scores, VL tokens at a time, every head of the task: each group's rows are read
+           in memory order, and the rows AHEAD tokens on are prefetched (a new block is
            usually on another page, where the hardware prefetcher stops), a KV head's
            lines as that head is processed: a whole block's prefetches at once fill the
            core's miss queues and stall the arithmetic (152M layer: 1.32 -> 1.06 ms).
@@ -372,23 +359,24 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
            held in registers) take each key row as it is loaded and widened: with
            grouped-query attention the widening is done once, not once per query head. */
         for (int64_t j = 0; j < NH; j++) mx[j] = -FLT_MAX;
-        for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
+        for (int64_t t0 = 0; t0 < n; t0 += VL) {
+            const int64_t cnt = n - t0 < VL ? n - t0 : VL;
             for (int64_t hk = 0; hk < hk1 - hk0; hk++) {
                 const int64_t head_off = hk * a->kv_stride_head * elt;
-                for (int64_t t = t0 + 32; t < t0 + 48; t++) {
+                for (int64_t t = t0 + AHEAD; t < t0 + AHEAD + VL; t++) {
                     /* Past the chunk's keys, its first values (the value pass comes next). */
-                    const char *p = t < n ? kbase + row[t] : t - n16 >= 0 && t - n16 < n ? vbase + row[t - n16] : NULL;
+                    const char *p = t < n ? kbase + row[t] : t - n_up >= 0 && t - n_up < n ? vbase + row[t - n_up] : NULL;
                     if (p != NULL)
                         for (int64_t off = 0; off < D * elt; off += 64) _mm_prefetch(p + head_off + off, _MM_HINT_T0);
                 }
                 for (int64_t g0 = 0; g0 < G; g0 += GB) {
-                    const ScoreArgs sa = {a, b, (hk0 + hk) * G + g0, kbase + head_off, row + t0, cnt, s, mx, hk * G + g0, t0};
+                    const ScoreArgs sa = {a, (const float (*)[MAX_DIM])q, kbase + head_off, row + t0, cnt, s, mx,
+                                          hk * G + g0, t0};
                     switch (GB) { /* a constant group size keeps the query rows in registers */
-                    case 8: score_group(&sa, D, is_bf16, 8); break;
-                    case 4: score_group(&sa, D, is_bf16, 4); break;
-                    case 2: score_group(&sa, D, is_bf16, 2); break;
-                    default: score_group(&sa, D, is_bf16, 1); break;
+                    case 8: score_group(&sa, D, kv_bf16, 8); break;
+                    case 4: score_group(&sa, D, kv_bf16, 4); break;
+                    case 2: score_group(&sa, D, kv_bf16, 2); break;
+                    default: score_group(&sa, D, kv_bf16, 1); break;
                     }
                 }
             }
@@ -397,33 +385,32 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
         for (int64_t j = 0; j < NH; j++) {
             const float new_m = mx[j] > m[j] ? mx[j] : m[j];
             const float corr = exp_clamped(m[j] - new_m); /* ~0 on the first chunk: m is -FLT_MAX */
-            const __m512 mb = _mm512_set1_ps(new_m);
-            __m512 sumv = _mm512_setzero_ps();
-            for (int64_t t0 = 0; t0 < n; t0 += 16) {
-                const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
-                const __m512 p = _mm512_maskz_mov_ps((__mmask16)((1u << cnt) - 1u),
-                                                     exp16_clamped(_mm512_sub_ps(_mm512_load_ps(s[j] + t0), mb)));
-                sumv = _mm512_add_ps(sumv, p);
-                _mm512_store_ps(s[j] + t0, p);
+            const vf mb = vf_set1(new_m);
+            vf sumv = vf_zero();
+            for (int64_t t0 = 0; t0 < n; t0 += VL) {
+                const int64_t cnt = n - t0 < VL ? n - t0 : VL;
+                const vf p = vf_first(vf_exp_clamped(vf_sub(vf_load(s[j] + t0), mb)), cnt, 0.f);
+                sumv = vf_add(sumv, p);
+                vf_store(s[j] + t0, p);
             }
-            l[j] = l[j] * corr + _mm512_reduce_add_ps(sumv);
+            l[j] = l[j] * corr + vf_reduce_add(sumv);
             m[j] = new_m;
             for (int64_t i = 0; i < D; i++) acc[j][i] *= corr;
         }
         /* Weighted values, in the same order as the keys; the query heads of a KV head
            share each widened value row, as above. */
-        for (int64_t t0 = 0; t0 < n; t0 += 16) {
-            const int64_t cnt = n - t0 < 16 ? n - t0 : 16;
+        for (int64_t t0 = 0; t0 < n; t0 += VL) {
+            const int64_t cnt = n - t0 < VL ? n - t0 : VL;
             for (int64_t hk = 0; hk < hk1 - hk0; hk++) {
                 const int64_t head_off = hk * a->kv_stride_head * elt;
-                for (int64_t t = t0 + 32; t < t0 + 48; t++) {
+                for (int64_t t = t0 + AHEAD; t < t0 + AHEAD + VL; t++) {
                     /* Past the chunk's values, the keys read next: the next chunk's, or
                        after the last chunk the first keys of this thread's next task. */
                     const char *p = NULL;
                     if (t < n) p = vbase + row[t] + head_off;
-                    else if (t - n16 >= 0 && n + t - n16 < n_ahead) p = kbase + row[n + t - n16] + head_off;
-                    else if (next != NULL && last_chunk && t - n16 >= 0 && t - n16 < next_L && next->hk0 + hk < next->hk1) {
-                        const int64_t u = t - n16;
+                    else if (t - n_up >= 0 && n + t - n_up < n_ahead) p = kbase + row[n + t - n_up] + head_off;
+                    else if (next != NULL && last_chunk && t - n_up >= 0 && t - n_up < next_L && next->hk0 + hk < next->hk1) {
+                        const int64_t u = t - n_up;
                         p = kbase + (next_table[u / bs] * a->kv_stride_block + (u % bs) * a->kv_stride_token
                                      + (next->hk0 + hk) * a->kv_stride_head) * elt;
                     }
@@ -433,50 +420,44 @@ static inline __attribute__((always_inline)) void one_task_avx512(const Args *a,
                 for (int64_t g0 = 0; g0 < G; g0 += GB) {
                     const ValueArgs va = {vbase + head_off, row + t0, cnt, s, acc, hk * G + g0, t0};
                     switch (GB) {
-                    case 8: value_group(&va, D, is_bf16, 8); break;
-                    case 4: value_group(&va, D, is_bf16, 4); break;
-                    case 2: value_group(&va, D, is_bf16, 2); break;
-                    default: value_group(&va, D, is_bf16, 1); break;
+                    case 8: value_group(&va, D, kv_bf16, 8); break;
+                    case 4: value_group(&va, D, kv_bf16, 4); break;
+                    case 2: value_group(&va, D, kv_bf16, 2); break;
+                    default: value_group(&va, D, kv_bf16, 1); break;
                     }
                 }
             }
         }
     }
     for (int64_t j = 0; j < NH; j++) {
-        const int64_t h = hk0 * G + j;
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-        for (int64_t sl = 0; sl < nv; sl++) {
-            for (int64_t lane = 0; lane < 16; lane++) {
-                const int64_t e = slot_element(sl, lane, is_bf16);
-                const float val = acc[j][16 * sl + lane] * inv;
-                if (is_bf16) ((uint16_t *)a->out)[b * a->out_stride_b + h * a->out_stride_h + e] = float_to_bf16(val);
-                else ((float *)a->out)[b * a->out_stride_b + h * a->out_stride_h + e] = val;
-            }
-        }
+        for (int64_t sl = 0; sl < nv; sl++)
+            for (int64_t lane = 0; lane < VL; lane++)
+                store_out(a, b, hk0 * G + j, vf_slot_element(sl, lane, kv_bf16), acc[j][VL * sl + lane] * inv);
     }
 }
 #endif
 
-/* One copy of the task per common head size and dtype, so gcc unrolls the loops over
- * the head dimension and drops the dtype branch from them. */
+/* One copy of the task per common head size and cache dtype, so gcc unrolls the loops
+ * over the head dimension and drops the dtype branch from them. */
 #define CALL_BY_SIZE(task)                                                                         \
     do {                                                                                           \
         if (a->D == 64) {                                                                          \
-            if (a->is_bf16) task(a, b, hk0, hk1, next, 64, 1); else task(a, b, hk0, hk1, next, 64, 0); \
+            if (a->kv_bf16) task(a, b, hk0, hk1, next, 64, 1); else task(a, b, hk0, hk1, next, 64, 0); \
         } else if (a->D == 128) {                                                                  \
-            if (a->is_bf16) task(a, b, hk0, hk1, next, 128, 1);                                   \
+            if (a->kv_bf16) task(a, b, hk0, hk1, next, 128, 1);                                   \
             else task(a, b, hk0, hk1, next, 128, 0);                                               \
         } else {                                                                                   \
-            if (a->is_bf16) task(a, b, hk0, hk1, next, a->D, 1);                                  \
+            if (a->kv_bf16) task(a, b, hk0, hk1, next, a->D, 1);                                  \
             else task(a, b, hk0, hk1, next, a->D, 0);                                              \
         }                                                                                          \
     } while (0)
 
 /* next: the task this thread runs after this one (NULL if none), for prefetching. */
 static void dispatch_task(const Args *a, int64_t b, int64_t hk0, int64_t hk1, const Task *next) {
-#if defined(__AVX512F__)
-    if (a->D % 32 == 0) { /* bf16 rows are read 32 elements at a time */
-        CALL_BY_SIZE(one_task_avx512);
+#if defined(ASERVE_SIMD)
+    if (a->D % (a->kv_bf16 ? 2 * VL : VL) == 0) { /* whole vectors (bf16 rows: pairs of them) */
+        CALL_BY_SIZE(one_task_simd);
         return;
     }
 #endif
@@ -527,14 +508,14 @@ int aserve_decode_attention(const void *q, void *k, void *v, const void *k_new, 
                             int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, int64_t max_blocks,
                             int64_t q_stride_b, int64_t q_stride_h, int64_t out_stride_b, int64_t out_stride_h,
                             int64_t kv_stride_block, int64_t kv_stride_token, int64_t kv_stride_head,
-                            float scale, int is_bf16, int num_threads) {
+                            float scale, int q_bf16, int kv_bf16, int num_threads) {
     if (Hq / Hk > MAX_HEADS || D > MAX_DIM || block_size > MAX_BLOCK || Hq % Hk) return -1;
     if (num_threads > B * Hk) num_threads = (int)(B * Hk);
     if (num_threads < 1) num_threads = 1;
     const Args args = {q, k, v, k_new, v_new, k_new_stride_b, k_new_stride_h, v_new_stride_b, v_new_stride_h,
                        out, block_table, seq_lens, B, Hq, Hk, D, block_size, max_blocks,
                        q_stride_b, q_stride_h, out_stride_b, out_stride_h,
-                       kv_stride_block, kv_stride_token, kv_stride_head, scale, is_bf16, num_threads};
+                       kv_stride_block, kv_stride_token, kv_stride_head, scale, q_bf16, kv_bf16, num_threads};
     run_tasks(&args);
     return 0;
 }

@@ -24,6 +24,7 @@ from aserve.kernels.cbuild import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 _LIMITS = {"group": 64, "head_dim": 512, "block_size": 128}
+_DTYPES = (torch.float32, torch.bfloat16)
 
 #: ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None, new_values=None)``
 DecodeAttention = Callable[..., torch.Tensor]
@@ -39,7 +40,10 @@ def load() -> DecodeAttention | None:
     ``block_table``: int64 [B, max_blocks]; ``seq_lens``: int64 [B], the keys each row
     attends to, its own new token included: either already in the cache, or given as
     ``new_keys`` / ``new_values`` ([B, Hk, D]), which the kernel writes into the slot of
-    position ``seq_len - 1`` first. Returns [B, Hq, D] in q's dtype (float32 or bfloat16).
+    position ``seq_len - 1`` first, rounded to the cache's dtype. Returns [B, Hq, D] in
+    q's dtype. q (with the new keys and values) and the cache are each float32 or
+    bfloat16, not necessarily the same: a bf16 cache under a float32 model is
+    ``--kv-cache-dtype bfloat16``.
     """
     env = read_env()
     if env.cpu_attention == "sdpa":
@@ -50,14 +54,15 @@ def load() -> DecodeAttention | None:
     fn = lib.aserve_decode_attention
     i64 = ctypes.c_int64
     ptr = ctypes.c_void_p
-    fn.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i64] * 13 + [ctypes.c_float] + [ctypes.c_int] * 3
     fn.restype = ctypes.c_int
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, new_keys: torch.Tensor | None = None,
                new_values: torch.Tensor | None = None) -> torch.Tensor:
-        if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype != q.dtype or values.dtype != q.dtype:
-            raise TypeError(f"decode attention takes float32 or bfloat16, not {q.dtype} / {keys.dtype}")
+        if q.dtype not in _DTYPES or keys.dtype not in _DTYPES or values.dtype != keys.dtype:
+            raise TypeError(f"decode attention takes float32 or bfloat16 queries and caches, not {q.dtype} / "
+                            f"{keys.dtype} / {values.dtype}")
         if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2) != keys.shape[-1] or q.stride(-1) != 1:
             raise ValueError("decode attention needs [blocks, block_size, Hk, D] caches with contiguous heads")
         if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64:
@@ -83,7 +88,7 @@ def load() -> DecodeAttention | None:
                 batch, hq, hk, dim, block_size, block_table.shape[1],
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 keys.stride(0), keys.stride(1), keys.stride(2),
-                scale, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+                scale, int(q.dtype == torch.bfloat16), int(keys.dtype == torch.bfloat16), torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"decode attention supports at most {_LIMITS} (got {hq // hk} query heads per KV head, "
                              f"head_dim {dim}, block size {block_size})")

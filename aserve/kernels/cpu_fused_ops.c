@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_simd.h"
 
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
 
@@ -138,7 +139,7 @@ static void silu_mul_row(const void *g, const void *u, void *out, int64_t n, int
     const int64_t elt = is_bf16 ? 2 : 4;
     for (; i + 16 <= n; i += 16) {
         const __m512 gv = load16((const char *)g + i * elt, is_bf16), uv = load16((const char *)u + i * elt, is_bf16);
-        __m512 s = _mm512_mul_ps(gv, recip16(_mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+        __m512 s = _mm512_mul_ps(gv, recip16(_mm512_add_ps(_mm512_set1_ps(1.0f), vf_exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
         if (is_bf16) {
             s = _mm512_mul_ps(round_bf16x16(s), uv);
             _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), to_bf16x16(s));

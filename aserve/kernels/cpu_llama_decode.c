@@ -108,7 +108,7 @@ static int attention_half(const LayerWeights *layers, int64_t i, const Dims *d, 
     rc = aserve_decode_attention(s->qkv, w->k_cache, w->v_cache, k_new, v_new, d->qkv_width, d->D, d->qkv_width, d->D,
                                  s->attn, s->block_table, s->seq_lens, B, d->Hq, d->Hk, d->D, d->block_size,
                                  s->max_blocks, d->qkv_width, d->D, q_size, d->D, d->kv_stride_block,
-                                 d->kv_stride_token, d->kv_stride_head, d->scale, 1, nt);
+                                 d->kv_stride_token, d->kv_stride_head, d->scale, 1, 1, nt);
     if (rc) return rc;
     return aserve_amx_linear(s->attn, q_size, w->w_o, s->o, d->o_width, B, d->o_width, q_size, nt);
 }

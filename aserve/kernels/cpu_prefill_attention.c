@@ -34,6 +34,7 @@
 #endif
 
 #include "cpu_kernels.h"
+#include "cpu_simd.h"
 
 #define MAX_D 256
 
@@ -137,7 +138,7 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
         __m512 acc = _mm512_setzero_ps();
         for (t = 0; t < n; t += 16) {
             const __mmask16 valid = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp16_clamped(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms)));
+            const __m512 e = _mm512_maskz_mov_ps(valid, vf_exp_clamped(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms)));
             acc = _mm512_add_ps(acc, e);
             _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
         }

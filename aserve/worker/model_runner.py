@@ -54,6 +54,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[LayerKV] = []
+        self.model_dtype: torch.dtype | None = None  # set by init_kv_cache
         # Decode attention (chosen in init_kv_cache, once the dtype is known): the C kernel
         # over the paged cache where it builds (float32 and bfloat16), else SDPA over
         # dense staged copies (use_decode_staging) or over gathered blocks.
@@ -63,7 +64,12 @@ class ModelRunner:
         self.use_decode_staging = use_decode_staging
         self.staging: DecodeStaging | None = None
 
-    def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      model_dtype: torch.dtype | None = None) -> None:
+        """``dtype``: the cache's; ``model_dtype``: the queries', keys' and values' the
+        model computes (default: the cache's)."""
+        model_dtype = model_dtype or dtype
+        self.model_dtype = model_dtype
         # One allocation for all layers: [layers, 2, blocks, block_size, kv_heads, head_dim],
         # from an anonymous mapping: it reads as zeros, and the kernel commits a page
         # only when it is first written, so an idle pool costs no resident memory.
@@ -77,12 +83,15 @@ class ModelRunner:
                                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
         self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
-        if dtype in (torch.float32, torch.bfloat16):  # the pool is host memory: the CPU kernel applies
+        kernel_dtypes = (torch.float32, torch.bfloat16)
+        if dtype in kernel_dtypes and model_dtype in kernel_dtypes:  # the pool is host memory: the CPU kernel applies
             self.decode_kernel = load_decode_kernel()
-        if dtype == torch.bfloat16:
+        if dtype == model_dtype == torch.bfloat16:
             self.prefill_kernel = load_prefill_kernel()
         if self.use_decode_staging and self.decode_kernel is None:
-            self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+            # Dense copies in the model's dtype, of the values the cache holds.
+            self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                         dtype=model_dtype)
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _gather_buffers_for(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +180,7 @@ class ModelRunner:
                 gathered = decode_table.numel()
             if int(seq_lens.min()) < length:
                 masked = torch.arange(length).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [Nd, L]
-                dtype = self.kv_caches[0].paged.dtype
-                decode_mask = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
+                decode_mask = torch.zeros(masked.shape, dtype=self.model_dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
         prefills = []
         for row in range(num_decode, len(scheduled)):
             state, n = scheduled[row]

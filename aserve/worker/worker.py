@@ -39,6 +39,8 @@ class Worker:
         model_dir = Path(config.model.model)
         arch = load_arch_config(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, arch)
+        kv_name = config.cache.kv_cache_dtype
+        self.kv_dtype = self.dtype if kv_name == "auto" else resolve_dtype(kv_name, arch)
         keep_freed_memory()
         progress = ProgressBar("aserve: loading weights") if show_progress else None
         model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
@@ -51,7 +53,7 @@ class Worker:
                 attach_fused_ops(model, fused)
                 # Decode steps through every layer from C, where the model's layers
                 # allow it (bf16 on AMX; aserve/kernels/llama_decode.py).
-                if self.dtype == torch.bfloat16 and hasattr(model, "attach_decode_stack"):
+                if self.dtype == self.kv_dtype == torch.bfloat16 and hasattr(model, "attach_decode_stack"):
                     kernel = load_decode_stack()
                     if kernel is not None and model.attach_decode_stack(kernel):
                         logger.info("rank %d: decode steps run the decoder layers from C (%s)", tp.rank,
@@ -65,7 +67,8 @@ class Worker:
             num_layers=arch.num_hidden_layers,
             num_kv_heads=local_kv_heads(arch, tp.size),
             head_dim=arch.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
+            model_dtype=self.dtype,
         )
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -3,7 +3,7 @@
 
     python scripts/bench_compare.py [--vllm-venv /tmp/vllm-cpu-venv] [--out results/compare.json]
                                     [--num-prompts 200] [--only LOAD ...] [--systems aserve vllm]
-                                    [--client aserve|vllm]
+                                    [--client aserve|vllm] [--aserve-args "FLAGS"] [--vllm-args "FLAGS"]
 
 Install the peer first (about 5 minutes; never a dependency of aserve):
 ``bash ../shared/peers/setup-vllm-cpu.sh /tmp/vllm-cpu-venv``.
@@ -23,7 +23,9 @@ ratios aserve / vLLM. Configurations (``../shared/peers/README.md``):
   (``VLLM_CPU_OMP_THREADS_BIND=0-1``, its best here); concurrency 32.
 
 Every load gets a freshly started server. ``--only 7m-float32-c32 ...`` picks loads,
-``--systems aserve`` measures one system.
+``--systems aserve`` measures one system. ``--aserve-args`` / ``--vllm-args`` add flags to
+one server's command line (say ``--aserve-args "--kv-cache-dtype bfloat16"``); the JSON
+records them.
 
 Both servers get a 4 GiB KV cache. JSON of every run goes to ``--out``.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -130,12 +133,12 @@ def serve_cmd(system: str, args: argparse.Namespace, model: Path, dtype: str, si
         # core serves HTTP and schedules), both cores for the 152M one.
         threads = ["--worker-threads", "1"] if size == "7m" else []
         return ([sys.executable, "-m", "aserve", "run", str(model), "--served-model-name", str(model), "--port",
-                 str(PORT), "--dtype", dtype, "--log-level", "WARNING", *threads], {})
+                 str(PORT), "--dtype", dtype, "--log-level", "WARNING", *threads, *shlex.split(args.aserve_args)], {})
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     if size == "152m":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
     return ([str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port",
-             str(PORT), "--dtype", dtype], env)
+             str(PORT), "--dtype", dtype, *shlex.split(args.vllm_args)], env)
 
 
 #: (model, dtype, concurrency); prompts: --num-prompts at concurrency 32, a quarter of it at 1.
@@ -158,6 +161,8 @@ def main() -> None:
                         help="run only these loads, named like 7m-float32-c32 (default: all)")
     parser.add_argument("--systems", nargs="+", default=["aserve", "vllm"], choices=("aserve", "vllm"))
     parser.add_argument("--client", choices=("aserve", "vllm"), default="aserve")
+    parser.add_argument("--aserve-args", default="", help="more flags for aserve run")
+    parser.add_argument("--vllm-args", default="", help="more flags for vllm serve")
     args = parser.parse_args()
     (ROOT / "results").mkdir(exist_ok=True)
     systems = [s for s in args.systems if s == "aserve" or (Path(args.vllm_venv) / "bin" / "vllm").exists()]
@@ -185,6 +190,7 @@ def main() -> None:
                 result = load(args, models[size], concurrency, prompts, f"{system}-{size}-{dtype}-c{concurrency}")
                 result["pss_mib"] = pss_mib(process_tree(server.proc.pid))
                 result["ready_s"] = server.ready_s
+                result["server_cmd"] = cmd
                 rows.setdefault(key, {})[system] = result
             finally:
                 server.stop()

@@ -59,6 +59,19 @@ def test_silu_mul_matches_torch(ops, set_threads, dtype, rows, inter, threads):
     torch.testing.assert_close(out, F.silu(gate) * up, **ulp_tolerance(dtype))
 
 
+def test_silu_mul_vector_lanes_give_the_scalar_loops_results(ops):
+    """Element 16 of a 17-wide row is the scalar tail under AVX-512 and AVX2 alike; row r
+    repeats element r there, so each vector lane is checked against the loop: within
+    two float32 ulps (the loop's exp may round its steps differently, and AVX-512
+    approximates 1 / x)."""
+    gen = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(16, 17, generator=gen) * 4, torch.randn(16, 17, generator=gen)
+    rows = torch.arange(16)
+    gate[:, 16], up[:, 16] = gate[rows, rows], up[rows, rows]
+    out = ops.silu_mul(torch.cat([gate, up], dim=1))
+    torch.testing.assert_close(out[:, 16], out[rows, rows], rtol=2.5e-7, atol=1e-9)
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("ASERVE_CPU_FUSED_OPS", "0")
     assert cpu_fused_ops.load() is None

@@ -147,6 +147,16 @@ static void silu_mul_row(const void *g, const void *u, void *out, int64_t n, int
             _mm512_storeu_ps((float *)out + i, _mm512_mul_ps(s, uv));
         }
     }
+#elif defined(ASERVE_SIMD)
+    /* AVX2, float32 rows (bf16 ones take the loop below): the loop's arithmetic, VL
+       lanes at a time, with an exact division, so the same results (7M model served on
+       the AVX2 machine: the scalar loop was 4.7% of the worker's samples). */
+    if (!is_bf16)
+        for (; i + VL <= n; i += VL) {
+            const vf gv = vf_loadu((const float *)g + i), uv = vf_loadu((const float *)u + i);
+            const vf s = vf_div(gv, vf_add(vf_set1(1.0f), vf_exp_clamped(vf_sub(vf_zero(), gv))));
+            vf_storeu((float *)out + i, vf_mul(s, uv));
+        }
 #endif
     for (; i < n; i++) {
         const float gv = load_elt(g, i, is_bf16);

@@ -33,6 +33,8 @@ static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf vf_load(const float *p) { return _mm512_load_ps(p); } /* p aligned to 64 */
 static inline void vf_store(float *p, vf v) { _mm512_store_ps(p, v); }
+static inline void vf_storeu(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -83,6 +85,8 @@ static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
 static inline vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf vf_load(const float *p) { return _mm256_load_ps(p); } /* p aligned to 32 */
 static inline void vf_store(float *p, vf v) { _mm256_store_ps(p, v); }
+static inline void vf_storeu(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The decode step against its memory floor, on this machine, now.
 
-    python scripts/decode_roofline.py [--model bench-models/llama-152m] [--repeats 3]
+    python scripts/decode_roofline.py [--model bench-models/llama-152m] [--dtype bfloat16]
+                                      [--kv-cache-dtype auto|float32|bfloat16] [--repeats 3]
 
 A decode step at batch 32 reads every weight once and every sequence's keys and
 values once; at these sizes that traffic, not arithmetic, bounds it. For each repeat
@@ -11,7 +12,7 @@ prompts of ``prompt-len`` tokens and ``output-len`` new ones in process and take
 median decode step (``ModelRunner.execute_model``) and the median one-call layer
 stack inside it (``DecodeStack.run``, bf16 only). The floor is the bytes a decode
 step reads at that rate: the weights (from ``config.json``) and the KV cache at the
-run's mean context. Prints one JSON line per repeat. The machine is a VM: take the
+run's mean context, in the KV cache's dtype. Prints one JSON line per repeat. The machine is a VM: take the
 read rate right before each step figure, as this does, and repeat.
 """
 
@@ -30,9 +31,10 @@ sys.path.insert(0, str(ROOT))
 _SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def step_bytes(config: dict, dtype: str, kv_tokens: float) -> tuple[float, float]:
+def step_bytes(config: dict, dtype: str, kv_tokens: float, kv_dtype: str | None = None) -> tuple[float, float]:
     """(weight bytes, KV bytes) one decode step reads: every projection and the LM head
-    (the embedding gives only the batch's rows), and each sequence's keys and values."""
+    (the embedding gives only the batch's rows), and each sequence's keys and values
+    (stored in ``kv_dtype``, default ``dtype``)."""
     size = _SIZES[dtype]
     h, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
     hq = config["num_attention_heads"]
@@ -40,7 +42,7 @@ def step_bytes(config: dict, dtype: str, kv_tokens: float) -> tuple[float, float
     d = config.get("head_dim", h // hq)
     per_layer = h * (hq + 2 * hk) * d + hq * d * h + 3 * h * inter + 2 * h
     weights = (layers * per_layer + config["vocab_size"] * h + h) * size
-    kv = kv_tokens * layers * 2 * hk * d * size
+    kv = kv_tokens * layers * 2 * hk * d * _SIZES[kv_dtype or dtype]
     return weights, kv
 
 
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=129)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *sorted(_SIZES)])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -90,7 +93,7 @@ def main() -> None:
 
     timed(model_runner.ModelRunner, "execute_model", "execute")
     timed(llama_decode.DecodeStack, "run", "stack")
-    with LLM(model=args.model, dtype=args.dtype, seed=0) as llm:
+    with LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=0) as llm:
         measure(llm, args, times)
 
 
@@ -107,7 +110,8 @@ def measure(llm, args: argparse.Namespace, times: dict[str, list[float]]) -> Non
     llm.generate(prompts, params)  # warm-up: kernels built, pages touched
     # Decode step i attends over prompt_len + i tokens (i = 1 .. output_len - 1).
     kv_tokens = args.batch * (args.prompt_len + args.output_len / 2)
-    weights, kv = step_bytes(config, args.dtype, kv_tokens)
+    kv_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    weights, kv = step_bytes(config, args.dtype, kv_tokens, kv_dtype)
     threads = torch.get_num_threads()
     for _ in range(args.repeats):
         rate = read_rate(threads)

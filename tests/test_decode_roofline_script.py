@@ -8,28 +8,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_reports_the_step_against_the_bytes_it_reads(llama_dir):
+@pytest.mark.parametrize("dtype,kv_cache_dtype,weight_size,kv_size", [
+    ("bfloat16", "auto", 2, 2),
+    ("float32", "bfloat16", 4, 2),  # --kv-cache-dtype: the keys and values at 2 bytes
+])
+def test_reports_the_step_against_the_bytes_it_reads(llama_dir, dtype, kv_cache_dtype, weight_size, kv_size):
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "decode_roofline.py"), "--model", str(llama_dir), "--batch", "4",
-         "--prompt-len", "8", "--output-len", "5", "--repeats", "2"],
+         "--prompt-len", "8", "--output-len", "5", "--repeats", "2", "--dtype", dtype,
+         "--kv-cache-dtype", kv_cache_dtype],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2
     # The weights a step reads: every tensor of the checkpoint but the embedding table
-    # (the step reads only its batch's rows of it), at 2 bytes in bfloat16.
+    # (the step reads only its batch's rows of it), at the dtype's size.
     with safe_open(str(llama_dir / "model.safetensors"), "pt") as f:
         numel = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys() if "embed_tokens" not in name)
     config = json.loads((llama_dir / "config.json").read_text())
-    kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * kv_size
     for row in rows:
-        assert row["weight_bytes"] == 2 * numel
+        assert row["weight_bytes"] == weight_size * numel
         assert row["kv_bytes"] == 4 * (8 + 5 / 2) * kv_per_token  # batch x the mean context
         assert row["read_gb_s"] > 0 and row["decode_step_ms"] > 0
         # The read rate is printed to 0.1 GB/s, the ratio to 0.01.

@@ -61,7 +61,7 @@ def main() -> None:
                     for cache, table in cycled:
                         attend(q, cache[0], cache[1], table, seq_lens, dim**-0.5)
                 per_layer = (time.perf_counter() - start) / reps / len(cycled)
-                read = 2 * batch * length * hk * dim * cache.element_size()
+                read = 2 * batch * length * hk * dim * dtype.itemsize
                 print(f"threads {threads}, cache {str(dtype).removeprefix('torch.'):<8}: {per_layer * 1e6:7.0f} us a "
                       f"layer, {read / per_layer / 1e9:5.1f} GB/s of cache")
 

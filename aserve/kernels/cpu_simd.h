@@ -4,7 +4,7 @@
  *   AVX2 + FMA   VL = 8 lanes, 16 registers (the AMD EPYC of session 12 on).
  * ASERVE_SIMD is defined when one of them is available; without it the kernels keep
  * their portable loops. Every function is a thin inline wrapper over one or a few
- * intrinsics, so the AVX-512 build compiles to the code it had before this layer.
+ * intrinsics; the AVX-512 ones are those the kernels called directly before this layer.
  *
  * bfloat16 rows are widened without shuffles: a 32-bit lane holding elements (2i, 2i+1)
  * gives element 2i by a left shift and element 2i+1 by a mask. So vf_load_bf16 turns

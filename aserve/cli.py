@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from aserve.config import DEFAULT_PREFIX_CACHE_RESERVE, DTYPES, TP_COMMS
+from aserve.devices import DEVICES
 from aserve.errors import AserveError
 
 
@@ -29,6 +30,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="dtype the KV cache stores keys and values in (default: the model's). bfloat16 under a float32 "
                         "model halves the cache's memory and the bytes a decode step reads")
     parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator")
+    parser.add_argument("--device", default="auto", choices=DEVICES,
+                        help="where the model runs (default auto: CUDA when a GPU is visible, else the CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,9 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-cpu-affinity", dest="cpu_affinity", action="store_false",
                      help="do not pin workers to cores of their own when their threads leave cores free "
                           "(the API servers and engine cores then share those; see docs/configuration.md)")
-    run.add_argument("--tp-comm", choices=TP_COMMS, default="shm",
-                     help="how CPU workers of one engine exchange activations: shm (shared memory, default) or "
-                          "gloo (gloo's TCP for every collective)")
+    run.add_argument("--device", default="auto", choices=DEVICES,
+                     help="where the workers run (default auto: CUDA when a GPU is visible, else the CPU)")
+    run.add_argument("--tp-comm", choices=TP_COMMS, default="auto",
+                     help="how the workers of one engine exchange activations: shm (CPU shared memory), nccl (CUDA), "
+                          "gloo (gloo's TCP for every collective, either device); default auto: shm on CPU, nccl on CUDA")
     run.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
     run.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
                      help="dtype the KV cache stores keys and values in (default: the model's). bfloat16 under a float32 "
@@ -165,6 +170,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY, kv_cache_dtype=args.kv_cache_dtype,
+        device=args.device,
     )
     output = llm.generate(args.prompt, params)[0]
     print(output.outputs[0].text)
@@ -182,7 +188,8 @@ def _bench(args: argparse.Namespace) -> int:
     from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-              kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY, kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY, kv_cache_dtype=args.kv_cache_dtype,
+              device=args.device)
     if args.bench_command == "throughput":
         result = offline.throughput(llm, num_prompts=args.num_prompts, input_len=args.input_len,
                                     output_len=args.output_len, seed=args.seed)
@@ -296,7 +303,7 @@ def _run(args: argparse.Namespace) -> int:
     engine_kwargs = dict(
         model=model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, dtype=args.dtype, max_model_len=args.max_model_len,
         seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, device=args.device,
         max_num_seqs=args.max_num_seqs, prefix_cache_reserve=args.prefix_cache_reserve,
         max_num_batched_tokens=args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK * args.tp,
         worker_threads=args.worker_threads, cpu_affinity=args.cpu_affinity, tp_comm=args.tp_comm,

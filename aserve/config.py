@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from aserve.devices import DEVICES
 from aserve.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -28,10 +29,15 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's limit, fitted to the KV cache
     seed: int = 0
+    # Where the workers compute: "cpu", "cuda", or "auto" (CUDA when a GPU is visible;
+    # resolved by fitting, aserve/devices.py).
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", param="dtype")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}", param="device")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}", param="max_model_len")
 
@@ -95,7 +101,7 @@ class SchedulerConfig:
             raise ConfigError("max_num_seqs must be >= 1", param="max_num_seqs")
 
 
-TP_COMMS = ("shm", "gloo")
+TP_COMMS = ("auto", "shm", "gloo", "nccl")
 
 
 @dataclass(frozen=True)
@@ -114,10 +120,11 @@ class ParallelConfig:
     # of os.cpu_count()), and whether to pin processes to them (see cpu_plan).
     node_cpus: tuple[int, ...] | None = None
     cpu_affinity: bool = True
-    # How CPU workers of one engine exchange activations: "shm" (shared memory; gloo
-    # only sets it up and is then released) or "gloo" (every collective over gloo's
-    # TCP). Workers run on CPU only (CUDA workers over NCCL are issue 3).
-    tp_comm: str = "shm"
+    # How the workers of one engine exchange activations: "shm" (CPU: shared memory;
+    # gloo only sets it up and is then released), "nccl" (CUDA), "gloo" (either: every
+    # collective over gloo's TCP), or "auto" (shm on CPU, NCCL on CUDA; resolved by
+    # fitting, aserve/devices.py).
+    tp_comm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -182,7 +189,12 @@ class ParallelConfig:
         plan = self.cpu_plan()
         if plan is None:
             return None
-        return plan[1][(dp_rank % max(1, self.local_engines)) * self.tensor_parallel_size + rank]
+        return plan[1][self.local_worker_index(dp_rank, rank)]
+
+    def local_worker_index(self, dp_rank: int, rank: int) -> int:
+        """Which of this node's workers TP rank ``rank`` of DP engine ``dp_rank`` is (its
+        cores, its GPU); a node's engines are consecutive DP ranks."""
+        return (dp_rank % max(1, self.local_engines)) * self.tensor_parallel_size + rank
 
 
 @dataclass(frozen=True)
@@ -193,14 +205,17 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
 
     def fitted(self, *, max_model_len: int, num_blocks: int, dtype: str | None = None,
-               kv_cache_dtype: str | None = None) -> EngineConfig:
+               kv_cache_dtype: str | None = None, device: str | None = None,
+               tp_comm: str | None = None) -> EngineConfig:
         """This config with the values that start-up measured filled in (and ``auto``'s
-        dtypes resolved, when given)."""
+        dtypes, device and TP communicator resolved, when given)."""
         return dataclasses.replace(
             self,
-            model=dataclasses.replace(self.model, max_model_len=max_model_len, dtype=dtype or self.model.dtype),
+            model=dataclasses.replace(self.model, max_model_len=max_model_len, dtype=dtype or self.model.dtype,
+                                      device=device or self.model.device),
             cache=dataclasses.replace(self.cache, num_blocks=num_blocks,
                                       kv_cache_dtype=kv_cache_dtype or self.cache.kv_cache_dtype),
+            parallel=dataclasses.replace(self.parallel, tp_comm=tp_comm or self.parallel.tp_comm),
         )
 
     @property

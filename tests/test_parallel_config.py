@@ -22,7 +22,7 @@ def test_threads_share_the_node_between_its_workers():
     ({"data_parallel_size": 0}, "data_parallel_size"),
     ({"data_parallel_size": 2, "data_parallel_size_local": 3}, "data_parallel_size_local"),
     ({"worker_threads": 0}, "worker_threads"),
-    ({"tp_comm": "nccl"}, "tp_comm"),
+    ({"tp_comm": "mpi"}, "tp_comm"),
 ])
 def test_bad_values_name_their_field(kwargs, param):
     with pytest.raises(ConfigError) as info:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aserve.config import EngineConfig
+from aserve.devices import cuda_device_count, resolve_device, resolve_tp_comm
 from aserve.engine.kv_cache_manager import KVCacheManager
 from aserve.engine.request import Request
 from aserve.engine.scheduler import Scheduler
@@ -52,8 +53,18 @@ def fit_config(config: EngineConfig) -> FittedConfig:
     arch = load_arch_config(model_dir)
     check_architecture(arch.architecture)  # fail early, naming the supported ones
     # Resolved once, here, and passed on in the fitted config: the workers (and, with
-    # --headless nodes, every node) then compute in the dtype the KV cache was sized for.
-    dtype = resolve_dtype_name(config.model.dtype, arch, cpu_half_dtypes())
+    # --headless nodes, every node) then compute on the device, and in the dtype, the KV
+    # cache was sized for.
+    gpus = cuda_device_count() if config.model.device != "cpu" else 0
+    device = resolve_device(config.model.device, gpus)
+    tp_comm = resolve_tp_comm(config.parallel.tp_comm, device)
+    tp_size = config.parallel.tensor_parallel_size
+    if tp_comm == "nccl" and tp_size > gpus:
+        raise ConfigError(f"tensor_parallel_size={tp_size} over NCCL needs a GPU per rank, and {gpus} are visible "
+                          "(NCCL refuses two ranks on one GPU; tp_comm='gloo' lets them share)",
+                          param="tensor_parallel_size")
+    # A GPU multiplies every dtype natively; only a CPU may lack half precision.
+    dtype = resolve_dtype_name(config.model.dtype, arch, cpu_half_dtypes() if device == "cpu" else None)
     checkpoint = resolve_dtype_name("auto", arch)  # no CPU given: the checkpoint's own
     if config.model.dtype == "auto" and dtype != checkpoint:
         logger.warning("the checkpoint is %s but this CPU has no native %s matrix products: computing in float32 "
@@ -90,7 +101,7 @@ def fit_config(config: EngineConfig) -> FittedConfig:
             )
         max_model_len = requested
     return FittedConfig(config.fitted(max_model_len=max_model_len, num_blocks=num_blocks, dtype=dtype,
-                                      kv_cache_dtype=kv_dtype), arch)
+                                      kv_cache_dtype=kv_dtype, device=device, tp_comm=tp_comm), arch)
 
 
 class EngineCore:

@@ -154,7 +154,8 @@ class AsyncLLM:
         data_parallel_size: int = 1,
         worker_threads: int | None = None,
         cpu_affinity: bool = True,
-        tp_comm: str = "shm",
+        tp_comm: str = "auto",
+        device: str = "auto",
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
@@ -171,8 +172,8 @@ class AsyncLLM:
     ) -> None:
         self.config = make_engine_config(
             model, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-            worker_threads=worker_threads, cpu_affinity=cpu_affinity, tp_comm=tp_comm, dtype=dtype,
-            max_model_len=max_model_len, seed=seed, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
+            worker_threads=worker_threads, cpu_affinity=cpu_affinity, tp_comm=tp_comm, device=device,
+            dtype=dtype, max_model_len=max_model_len, seed=seed, kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching, prefix_cache_reserve=prefix_cache_reserve,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

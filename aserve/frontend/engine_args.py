@@ -53,8 +53,9 @@ def make_engine_config(
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int | None = None,
     cpu_affinity: bool = True,
-    tp_comm: str = "shm",
+    tp_comm: str = "auto",
     kv_cache_dtype: str = "auto",
+    device: str = "auto",
 ) -> EngineConfig:
     """Raises ``ConfigError`` (naming the field) for an invalid value.
 
@@ -63,7 +64,8 @@ def make_engine_config(
     if max_num_batched_tokens is None:
         max_num_batched_tokens = LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK * tensor_parallel_size
     return EngineConfig(
-        model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+        model=ModelConfig(resolve_model_path(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                          device=device),
         cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                           enable_prefix_caching=enable_prefix_caching, prefix_cache_reserve=prefix_cache_reserve,
                           kv_cache_dtype=kv_cache_dtype),

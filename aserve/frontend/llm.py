@@ -55,15 +55,16 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int | None = None,
         tensor_parallel_size: int = 1,
-        tp_comm: str = "shm",
+        tp_comm: str = "auto",
         kv_cache_dtype: str = "auto",
+        device: str = "auto",
     ) -> None:
         config = make_engine_config(
             model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len, seed=seed,
             kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_reserve=prefix_cache_reserve, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
-            tp_comm=tp_comm, kv_cache_dtype=kv_cache_dtype,
+            tp_comm=tp_comm, kv_cache_dtype=kv_cache_dtype, device=device,
         )
         fitted = fit_config(config)
         self.tokenizer = Tokenizer(Path(config.model.model))

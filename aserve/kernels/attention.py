@@ -175,7 +175,8 @@ def paged_attention(
             vc = gather_blocks(kv_cache[1], chunk.block_ids, vbuf).transpose(0, 1).unsqueeze(0).to(q.dtype)
             n_q = chunk.end - chunk.start
             # Query i (at position context_len + i) sees keys 0 .. context_len + i.
-            mask = torch.arange(kc.shape[2]) <= (chunk.context_len + torch.arange(n_q)).unsqueeze(1)
+            mask = (torch.arange(kc.shape[2], device=q.device)
+                    <= (chunk.context_len + torch.arange(n_q, device=q.device)).unsqueeze(1))
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out

@@ -5,6 +5,11 @@ The runner keeps every scheduled request's tokens and block table between steps,
 ``SchedulerOutput`` carries only what changed. It appends the tokens it samples itself;
 every tensor-parallel rank samples the same tokens, so the ranks stay in agreement
 without being told the results.
+
+On CUDA the step's inputs are built on the host as on CPU and copied over once; the KV
+pool is device memory, attention runs SDPA over gathered blocks (the C kernels are
+CPU-only), and the logits come back to the host for the sampler, so a seeded request
+draws the same numbers on either device.
 """
 
 from __future__ import annotations
@@ -48,8 +53,12 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True,
+                 device: torch.device | None = None) -> None:
+        """``device``: where ``model`` is (default: the CPU)."""
         self.model = model
+        self.device = device or torch.device("cpu")
+        self.on_cpu = self.device.type == "cpu"
         self.block_size = block_size
         self.sampler = Sampler(seed)
         self.requests: dict[str, CachedRequestState] = {}
@@ -61,7 +70,7 @@ class ModelRunner:
         self.decode_kernel: DecodeAttention | None = None
         # Prefill chunks: the AMX kernel (bf16), else SDPA.
         self.prefill_kernel: PrefillAttention | None = None
-        self.use_decode_staging = use_decode_staging
+        self.use_decode_staging = use_decode_staging and self.on_cpu
         self.staging: DecodeStaging | None = None
 
     def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -70,10 +79,17 @@ class ModelRunner:
         model computes (default: the cache's)."""
         model_dtype = model_dtype or dtype
         self.model_dtype = model_dtype
+        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
+        if not self.on_cpu:
+            # Device memory, allocated (and zeroed: the masked-key rule below needs
+            # finite values) up front; no kernel of this module runs there.
+            cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
+            return
         # One allocation for all layers: [layers, 2, blocks, block_size, kv_heads, head_dim],
         # from an anonymous mapping: it reads as zeros, and the kernel commits a page
         # only when it is first written, so an idle pool costs no resident memory.
-        shape = (num_layers, 2, num_blocks, self.block_size, num_kv_heads, head_dim)
         # Private, not Python's default shared mapping: nothing else maps the pool, and
         # a first write to a private page costs about a third less than to a shared
         # (shmem) one (256 MiB: 57 against 88 ms here), which every new block pays.
@@ -92,7 +108,6 @@ class ModelRunner:
             # Dense copies in the model's dtype, of the values the cache holds.
             self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                          dtype=model_dtype)
-        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _gather_buffers_for(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for gathering ``num_blocks`` blocks of one layer; grows, never shrinks."""
@@ -100,7 +115,8 @@ class ModelRunner:
         if self._gather_buffers is None or self._gather_buffers[0].numel() < numel:
             numel = max(numel, 2 * (0 if self._gather_buffers is None else self._gather_buffers[0].numel()))
             dtype = self.kv_caches[0].paged.dtype
-            self._gather_buffers = (torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype))
+            self._gather_buffers = (torch.empty(numel, dtype=dtype, device=self.device),
+                                    torch.empty(numel, dtype=dtype, device=self.device))
         return self._gather_buffers
 
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -181,6 +197,15 @@ class ModelRunner:
             if int(seq_lens.min()) < length:
                 masked = torch.arange(length).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [Nd, L]
                 decode_mask = torch.zeros(masked.shape, dtype=self.model_dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
+        input_t = _long_tensor(input_ids)
+        if not self.on_cpu:
+            # Everything the forward pass indexes with goes to the device once, here.
+            dev = self.device
+            input_t, pos_t, slot_mapping, block_table = (t.to(dev) for t in (input_t, pos_t, slot_mapping, block_table))
+            if decode_table is not None:
+                decode_table = decode_table.to(dev)
+            if decode_mask is not None:
+                decode_mask = decode_mask.to(dev)
         prefills = []
         for row in range(num_decode, len(scheduled)):
             state, n = scheduled[row]
@@ -197,15 +222,17 @@ class ModelRunner:
             prefill_kernel=self.prefill_kernel,
         )
 
-        hidden = self.model(_long_tensor(input_ids), pos_t, self.kv_caches, meta)  # [T, hidden]
+        hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]
 
         # Rows that reach the end of their known tokens sample the next one.
         sample_rows = [r for r, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == len(s.token_ids)]
         prompt_logprobs = self._prompt_logprobs(scheduled, starts, hidden)
         if not sample_rows:
             return RunnerOutput([], [], {}, prompt_logprobs)
-        last_token = _long_tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows])
+        last_token = _long_tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows]).to(self.device)
         logits = self.model.compute_logits(hidden[last_token])  # [N, vocab]
+        if not self.on_cpu:
+            logits = logits.float().cpu()  # the sampler's generators are the host's
         rows = [scheduled[r][0] for r in sample_rows]
         tokens, logprobs = self.sampler(
             logits, [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_token_ids) for s in rows]
@@ -230,7 +257,8 @@ class ModelRunner:
             end = min(start + n, state.num_prompt_tokens - 1)
             if top_n is None or end <= start:
                 continue
-            lp = torch.log_softmax(self.model.compute_logits(hidden[starts[row] : starts[row] + end - start]).float(), dim=-1)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[starts[row] : starts[row] + end - start]).float(),
+                                   dim=-1).cpu()
             out[state.req_id] = [
                 top_logprobs(lp[i], state.token_ids[start + i + 1], top_n) for i in range(end - start)
             ]

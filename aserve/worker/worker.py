@@ -33,9 +33,13 @@ logger = logging.getLogger("aserve.worker")
 
 class Worker:
     def __init__(self, config: EngineConfig, tp: TPGroup, *, show_progress: bool = False) -> None:
-        """``config`` must be fitted (``max_model_len`` and ``num_blocks`` known)."""
+        """``config`` must be fitted (``max_model_len``, ``num_blocks`` and the device
+        known). On CUDA the model goes to the current device (a worker process sets it
+        before it joins its TP group; in process it is GPU 0 unless the caller set one)."""
         self.config = config
         self.tp = tp
+        on_cpu = config.model.device != "cuda"
+        self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         model_dir = Path(config.model.model)
         arch = load_arch_config(model_dir)
         self.dtype = resolve_dtype(config.model.dtype, arch)
@@ -45,7 +49,10 @@ class Worker:
         progress = ProgressBar("aserve: loading weights") if show_progress else None
         model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
                            progress=progress)
-        on_cpu = next(model.parameters()).device.type == "cpu"
+        if not on_cpu:
+            # Loaded into host memory, shard by shard; one copy to the GPU. Tied weights
+            # stay tied (Module.to replaces each parameter's data in place).
+            model.to(self.device)
         prepack_linears(model, load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None)
         if self.dtype in (torch.float32, torch.bfloat16) and on_cpu:
             fused = load_fused_ops()
@@ -60,7 +67,8 @@ class Worker:
                                     "one call" if tp.size == 1 else "two calls a layer, all-reduced between")
         if on_cpu:
             release_free_memory()
-        self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed)
+        self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,
+                                  device=self.device)
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(
             config.cache.num_blocks,

@@ -106,9 +106,20 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
     from aserve.distributed.tp_group import TPGroup
     from aserve.worker.worker import Worker
 
+    device = None
+    if cfg.engine.model.device == "cuda":
+        import torch
+
+        from aserve.devices import worker_device_index
+
+        # Set before the TP group forms: NCCL binds each rank to the current device.
+        index = worker_device_index(cfg.engine.parallel.local_worker_index(cfg.dp_rank, cfg.rank),
+                                    torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     tp = TPGroup.single()
     if cfg.tp_size > 1:
-        tp = _join_tp_group(cfg)
+        tp = _join_tp_group(cfg, device)
     try:
         worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0)
         _serve_calls(cfg, worker, broadcast, response, heartbeats)
@@ -119,17 +130,25 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
             dist.destroy_process_group()
 
 
-def _join_tp_group(cfg: WorkerProcConfig):  # -> TPGroup (torch is imported lazily)
-    """This rank's TP group: gloo, or shared memory set up over gloo, which is then
-    released so that no gloo thread wakes up on an idle server (docs/parallelism.md)."""
+def _join_tp_group(cfg: WorkerProcConfig, device):  # -> TPGroup (torch is imported lazily)
+    """This rank's TP group: NCCL on CUDA (``device``, this rank's GPU), gloo on either,
+    or on CPU shared memory set up over gloo, which is then released so that no gloo
+    thread wakes up on an idle server (docs/parallelism.md)."""
     import torch
     import torch.distributed as dist
 
     from aserve.distributed.shm_comm import ShmCommunicator, load_collectives
     from aserve.distributed.tp_group import TPGroup
 
-    dist.init_process_group("gloo", init_method=f"file://{cfg.dist_init_file}", rank=cfg.rank, world_size=cfg.tp_size)
-    if cfg.engine.parallel.tp_comm == "gloo":
+    tp_comm = cfg.engine.parallel.tp_comm
+    init = dict(init_method=f"file://{cfg.dist_init_file}", rank=cfg.rank, world_size=cfg.tp_size)
+    if tp_comm == "nccl":
+        # device_id binds the communicator to this GPU at once (no lazy init on the
+        # first collective, which would then also pay NCCL's set-up inside a step).
+        dist.init_process_group("nccl", device_id=device, **init)
+        return TPGroup(cfg.rank, cfg.tp_size, dist.group.WORLD)
+    dist.init_process_group("gloo", **init)
+    if tp_comm == "gloo":
         return TPGroup(cfg.rank, cfg.tp_size, dist.group.WORLD)
     lib = load_collectives(read_env().cache_dir / "kernels")
     # Every rank must make the same choice: a rank without the library says so to all

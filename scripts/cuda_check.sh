@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The CUDA path's checks, for a machine with a GPU (issue 3): the GPU tests of
+# tests/test_cuda.py and the device choice of tests/test_devices.py, plus NCCL on its own.
+#
+# Run from the repository root. Where aserve's dependencies are not installed (the lent
+# GPU machine has torch, transformers and pytest but not msgspec, pyzmq, trio, ...),
+# put their wheels in .whl/ (see docs/cuda.md) and this installs them under /tmp/site.
+# Writes its logs to $OUT (default /tmp/aserve-cuda-check). Takes 2-4 minutes.
+set -uo pipefail
+OUT=${OUT:-/tmp/aserve-cuda-check}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+nvidia-smi -L 2>&1 | tee "$OUT/gpus.txt"
+$PY - <<'PY' 2>&1 | tee -a "$OUT/gpus.txt"
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())),
+      "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
+from aserve.devices import cuda_device_count
+print("aserve.devices.cuda_device_count():", cuda_device_count())
+PY
+
+# NCCL alone: one rank per GPU all-reduces; then two ranks on GPU 0, which NCCL is
+# expected to refuse (why TP = 2 over NCCL needs two GPUs).
+cat > "$OUT/nccl_probe.py" <<'PY'
+import os, sys, tempfile
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def rank_main(rank, world, path, same_gpu, q):
+    dev = torch.device("cuda", 0 if same_gpu else rank)
+    try:
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world, device_id=dev)
+        x = torch.full((4,), float(rank + 1), device=dev)
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        q.put((rank, "ok", x.tolist()))
+        dist.destroy_process_group()
+    except Exception as exc:
+        q.put((rank, "error", f"{type(exc).__name__}: {str(exc).splitlines()[0]} / {str(exc)[-300:]}"))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    gpus = torch.cuda.device_count()
+    cases = [("one rank per GPU", min(gpus, 2), False), ("two ranks on GPU 0", 2, True)]
+    for name, world, same in cases:
+        q = ctx.Queue()
+        path = tempfile.mktemp()
+        procs = [ctx.Process(target=rank_main, args=(r, world, path, same, q)) for r in range(world)]
+        for p in procs: p.start()
+        results = []
+        for _ in procs:
+            try:
+                results.append(q.get(timeout=60))
+            except Exception:
+                results.append(("?", "timeout", ""))
+        for p in procs:
+            p.join(10)
+            if p.is_alive(): p.kill()
+        print(f"NCCL, {name} (world {world}):", sorted(results, key=str))
+PY
+timeout 240 $PY "$OUT/nccl_probe.py" 2>&1 | grep -v "^\s*$" | tail -20 | tee "$OUT/nccl.txt"
+
+# -W default: warnings are shown, not errors, so that a warning of this machine's torch
+# build does not hide what the tests found.
+timeout 900 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_devices.py tests/test_cuda.py 2>&1 \
+    | tee "$OUT/pytest.txt"
+exit "${PIPESTATUS[0]}"

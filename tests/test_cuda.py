@@ -1,0 +1,163 @@
+"""The CUDA path: the model, its KV pool and its TP collectives on GPUs.
+
+Every test here needs a GPU and is skipped, with that reason, on a machine without one
+(CI's). ``scripts/cuda_check.sh`` runs them on a lent GPU machine. Correctness is
+transformers in float32 on the CPU, as everywhere else in the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import anyio
+import pytest
+import torch
+
+from aserve import LLM, SamplingParams
+from aserve.errors import EngineDeadError
+from aserve.frontend.async_llm import AsyncLLM
+from tests.hf_reference import hf_greedy, hf_logprobs, load_hf
+from tests.test_async_llm import alive, collect, leftovers, tree
+
+GPUS = torch.cuda.device_count()
+pytestmark = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU (none visible)")
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. A language model reads a sequence",
+    "Once upon a time there was a small town by the sea. The people of the town were fishers and bakers, "
+    "teachers and builders. In the morning the boats went out",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+KV = 1 << 24
+
+
+def _generate(model_dir, **kwargs):
+    # A small step budget: the longer prompts prefill in several chunks, the later ones
+    # over cached context (the gathered-block path).
+    llm = LLM(str(model_dir), device="cuda", kv_cache_memory=KV, max_num_batched_tokens=32, **kwargs)
+    return llm, llm.generate(PROMPTS, GREEDY)
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3"])
+def test_float32_on_cuda_gives_transformers_greedy_tokens(model_dirs, variant):
+    model_dir = model_dirs[variant]
+    hf = load_hf(model_dir)
+    llm, outs = _generate(model_dir, dtype="float32")
+    worker = llm.engine.executor.worker
+    assert worker.device.type == "cuda"
+    assert worker.runner.kv_caches[0].paged.device.type == "cuda"
+    assert next(worker.runner.model.parameters()).device.type == "cuda"
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok.encode(prompt)
+        got = out.outputs[0].token_ids
+        assert got == hf_greedy(hf, ids, 16), prompt
+        reference = hf_logprobs(hf, ids + got)
+        for i, (token, lp) in enumerate(zip(got, out.outputs[0].logprobs)):
+            assert lp[token].logprob == pytest.approx(float(reference[len(ids) + i - 1, token]), abs=1e-3)
+
+
+def test_bfloat16_on_cuda_stays_close_to_transformers(llama_dir):
+    """bf16 weights and activations: each chosen token is within 0.1 of the float32
+    reference's best logprob at its position (greedy paths may part where two tokens
+    are that close)."""
+    hf = load_hf(llama_dir)
+    llm, outs = _generate(llama_dir, dtype="bfloat16")
+    assert llm.engine.executor.worker.runner.kv_caches[0].paged.dtype == torch.bfloat16
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok.encode(prompt)
+        got = out.outputs[0].token_ids
+        reference = hf_logprobs(hf, ids + got)
+        for i, token in enumerate(got):
+            row = reference[len(ids) + i - 1]
+            assert float(row.max() - row[token]) < 0.1, (prompt, i)
+
+
+def test_tp2_over_gloo_on_cuda_gives_tp1_results(llama_dir):
+    """Two worker processes, their shards and KV pools on the GPU, collectives through
+    gloo (which takes CUDA tensors; NCCL refuses two ranks on one GPU)."""
+    _, single = _generate(llama_dir, dtype="float32")
+    llm, sharded = _generate(llama_dir, dtype="float32", tensor_parallel_size=2, tp_comm="gloo")
+    with llm:
+        assert llm.engine.config.model.device == "cuda" and llm.engine.config.parallel.tp_comm == "gloo"
+    for a, b in zip(single, sharded):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"NCCL needs a GPU per rank; {GPUS} visible")
+def test_tp2_over_nccl_gives_tp1_results(llama_dir):
+    _, single = _generate(llama_dir, dtype="float32")
+    llm, sharded = _generate(llama_dir, dtype="float32", tensor_parallel_size=2)
+    with llm:
+        assert llm.engine.config.parallel.tp_comm == "nccl"
+    for a, b in zip(single, sharded):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-4)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.mark.anyio
+async def test_async_llm_serves_from_a_cuda_worker_process_and_dies_as_one_unit(llama_dir):
+    """The engine core's worker process on the GPU: transformers' tokens for concurrent
+    streams, then kill -9 of that worker fails the stream and leaves nothing behind."""
+    hf = load_hf(llama_dir)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    async with AsyncLLM(str(llama_dir), device="cuda", dtype="float32", kv_cache_memory=KV) as llm:
+        tok = llm.tokenizer
+        expected = [hf_greedy(hf, tok.encode(p), 10) for p in PROMPTS]
+        results = [None] * 9
+
+        async def run(i):
+            results[i] = await collect(llm, PROMPTS[i % 3], params)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(9):
+                tg.start_soon(run, i)
+        assert [r.outputs[0].token_ids for r in results] == [expected[i % 3] for i in range(9)]
+        engine = llm.engine_process.pid
+        workers = tree(engine)
+        assert len(workers) == 1
+        instance = (llm.instance_id, llm.instance_dir)
+        seen = 0
+        with pytest.raises(EngineDeadError):
+            with anyio.fail_after(30):
+                async for _ in llm.generate("Hello", SamplingParams(max_tokens=100000, ignore_eos=True,
+                                                                      min_tokens=100000)):
+                    seen += 1
+                    if seen == 2:
+                        os.kill(workers[0], signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in [engine, *workers]) and time.monotonic() < deadline:
+        await anyio.sleep(0.1)
+    assert not any(alive(p) for p in [engine, *workers])
+    assert leftovers(*instance) == []
+
+
+@pytest.mark.anyio
+async def test_data_parallel_engines_share_one_gpu(llama_dir):
+    """Two engines, each with its worker process on GPU 0 (workers beyond the GPUs wrap
+    round: each engine is its own process group, so NCCL's one-rank-a-GPU rule does not
+    apply between them)."""
+    hf = load_hf(llama_dir)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    async with AsyncLLM(str(llama_dir), device="cuda", dtype="float32", data_parallel_size=2,
+                        kv_cache_memory=KV) as llm:
+        expected = hf_greedy(hf, llm.tokenizer.encode(PROMPTS[1]), 10)
+        for rank in (0, 1):
+            final = None
+            async for out in llm.generate(PROMPTS[1], params, data_parallel_rank=rank):
+                final = out
+            assert final.outputs[0].token_ids == expected

@@ -71,4 +71,16 @@ timeout 240 $PY "$OUT/nccl_probe.py" 2>&1 | grep -v "^\s*$" | tail -20 | tee "$O
 # build does not hide what the tests found.
 timeout 900 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_devices.py tests/test_cuda.py 2>&1 \
     | tee "$OUT/pytest.txt"
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+
+# Speed, for the record (no target): the 152M benchmark model, one batch of 32 x 128 in /
+# 128 out, bf16 and float32, time per decode step.
+if [ "${SKIP_SPEED:-0}" != 1 ]; then
+    $PY scripts/make_bench_model.py /tmp/aserve-llama-152m --size 152m >/dev/null 2>&1
+    for dtype in bfloat16 float32; do
+        timeout 240 $PY -m aserve bench latency --model /tmp/aserve-llama-152m --device cuda --dtype "$dtype" \
+            --batch-size 32 --input-len 128 --output-len 128 --num-iters 3 --output-json "$OUT/latency-152m-$dtype.json" \
+            2>&1 | tail -3
+    done
+fi
+exit "$status"

@@ -63,6 +63,10 @@ def fit_config(config: EngineConfig) -> FittedConfig:
         raise ConfigError(f"tensor_parallel_size={tp_size} over NCCL needs a GPU per rank, and {gpus} are visible "
                           "(NCCL refuses two ranks on one GPU; tp_comm='gloo' lets them share)",
                           param="tensor_parallel_size")
+    workers = config.parallel.local_world_size
+    if device == "cuda" and workers > gpus:
+        logger.warning("%d workers on %d GPU(s): they share them (aserve/devices.py), each with its own KV "
+                       "pool of kv_cache_memory bytes", workers, gpus)
     # A GPU multiplies every dtype natively; only a CPU may lack half precision.
     dtype = resolve_dtype_name(config.model.dtype, arch, cpu_half_dtypes() if device == "cpu" else None)
     checkpoint = resolve_dtype_name("auto", arch)  # no CPU given: the checkpoint's own

@@ -73,6 +73,14 @@ timeout 900 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_devic
     | tee "$OUT/pytest.txt"
 status=${PIPESTATUS[0]}
 
+# The CPU suite's correctness tests against transformers, unchanged: on this machine
+# device="auto" resolves to CUDA, so they run on the GPU. TP = 2 is left out (NCCL needs
+# two GPUs; the gloo form is in tests/test_cuda.py), and so is the test of the CPU's
+# shared-memory communicator.
+timeout 600 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_hf_parity.py tests/test_sampling.py \
+    -k "not tensor_parallel and not tp_comms" 2>&1 | tee "$OUT/pytest-auto.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
 # Speed, for the record (no target): the 152M benchmark model, one batch of 32 x 128 in /
 # 128 out, bf16 and float32, time per decode step.
 if [ "${SKIP_SPEED:-0}" != 1 ]; then

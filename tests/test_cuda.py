@@ -161,3 +161,42 @@ async def test_data_parallel_engines_share_one_gpu(llama_dir):
             async for out in llm.generate(PROMPTS[1], params, data_parallel_rank=rank):
                 final = out
             assert final.outputs[0].token_ids == expected
+
+
+def test_aserve_run_on_cuda_serves_over_http_and_drains(llama_dir):
+    """``aserve run --device cuda --dp 2``: both engines' workers on the GPU, plain and
+    streamed completions give the offline greedy text, and SIGTERM exits 0 leaving no
+    process and no shared memory."""
+    import json
+
+    import httpx
+
+    from tests.e2e.server import Server, aserve_shm
+    from tests.e2e.server import alive as pid_alive
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = LLM(str(llama_dir), device="cuda", dtype="float32", kv_cache_memory=KV).generate(
+        ["Hello world"], params)[0].outputs[0].text
+    before = aserve_shm()
+    server = Server(llama_dir, "--device", "cuda", "--dtype", "float32", "--dp", "2")
+    pids = server.pids()
+    try:
+        assert sorted(t for t in server.titles() if "worker" in t) == ["aserve::worker_dp0_tp0", "aserve::worker_dp1_tp0"]
+        body = {"prompt": "Hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        for _ in range(4):  # over both engines
+            r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        text = ""
+        with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == expected
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        assert "aserve:num_requests_running" in httpx.get(server.base_url + "/metrics").text
+        assert server.stop() == 0
+    finally:
+        if server.proc.poll() is None:
+            server.stop(signal.SIGKILL)
+    assert [p for p in pids if pid_alive(p)] == []
+    assert aserve_shm() <= before

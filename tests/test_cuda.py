@@ -181,7 +181,8 @@ def test_aserve_run_on_cuda_serves_over_http_and_drains(llama_dir):
     server = Server(llama_dir, "--device", "cuda", "--dtype", "float32", "--dp", "2")
     pids = server.pids()
     try:
-        assert sorted(t for t in server.titles() if "worker" in t) == ["aserve::worker_dp0_tp0", "aserve::worker_dp1_tp0"]
+        # Each engine is its own TP group of one: both workers are titled worker_tp0.
+        assert sorted(t for _, t in server.title_list() if "worker" in t) == ["aserve::worker_tp0"] * 2
         body = {"prompt": "Hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         for _ in range(4):  # over both engines
             r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)

@@ -1,6 +1,7 @@
 """The fused decode step (aserve/kernels/llama_decode.py): every layer of a decode step in
 one C call must give exactly what the layer-by-layer path gives, and apply only where
-it computes the model's layers."""
+it computes the model's layers. bf16 (AMX) and float32 (MKL's sgemm) forms; the bf16
+one is skipped, with its reason, on a CPU without AMX."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from aserve import LLM, SamplingParams
 from aserve.kernels import amx_linear, llama_decode
 
-pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
+needs_amx = pytest.mark.skipif(not amx_linear.cpu_has_amx(),
+                               reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
+DTYPES = [pytest.param("bfloat16", marks=needs_amx), "float32"]
 
 
 def _model(llm: LLM) -> torch.nn.Module:
@@ -42,11 +45,13 @@ def _generate(llm: LLM) -> list[tuple[list[int], list]]:
             for o in outs]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])  # qwen2: q/k/v bias; qwen3: q/k norms
 @pytest.mark.parametrize("threads", [1, 2])
-def test_same_tokens_and_logprobs_as_the_layer_by_layer_path(arch, threads, model_dirs, monkeypatch, set_threads):
+def test_same_tokens_and_logprobs_as_the_layer_by_layer_path(dtype, arch, threads, model_dirs, monkeypatch,
+                                                             set_threads):
     set_threads(threads)
-    fused_llm = LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24)
+    fused_llm = LLM(str(model_dirs[arch]), dtype=dtype, kv_cache_memory=1 << 24)
     stack = _model(fused_llm).model.decode_stack
     assert stack is not None
     calls = []
@@ -58,16 +63,28 @@ def test_same_tokens_and_logprobs_as_the_layer_by_layer_path(arch, threads, mode
     assert calls and max(calls) == 4 and min(calls) < 4
 
     monkeypatch.setenv("ASERVE_CPU_FUSED_DECODE", "0")
-    llm = LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24)
+    llm = LLM(str(model_dirs[arch]), dtype=dtype, kv_cache_memory=1 << 24)
     assert _model(llm).model.decode_stack is None
     _random_qkv_biases(llm)
     assert _generate(llm) == fused  # bit-identical: the same kernels in the same order
 
 
-def test_one_step_gives_the_layers_hidden_states_and_kv_cache(llama_dir):
+def test_float32_model_over_a_bf16_cache(llama_dir, monkeypatch):
+    """The float32 stack reads and writes a bf16 KV cache as the layer path does."""
+    fused_llm = LLM(str(llama_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory=1 << 24)
+    assert _model(fused_llm).model.decode_stack is not None
+    fused = _generate(fused_llm)
+    monkeypatch.setenv("ASERVE_CPU_FUSED_DECODE", "0")
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory=1 << 24)
+    assert _model(llm).model.decode_stack is None
+    assert _generate(llm) == fused
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_step_gives_the_layers_hidden_states_and_kv_cache(dtype, llama_dir):
     """A decode step of 3 rows at different lengths, straight through the model: the
     hidden states and every layer's written cache slots equal the layer loop's."""
-    llm = LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)
+    llm = LLM(str(llama_dir), dtype=dtype, kv_cache_memory=1 << 24)
     runner = llm.engine.executor.worker.runner
     model = runner.model
     llm.generate([[5, 9, 14, 3], list(range(10, 50)), [7] * 19], SamplingParams(temperature=0, max_tokens=1))
@@ -96,11 +113,25 @@ def test_one_step_gives_the_layers_hidden_states_and_kv_cache(llama_dir):
         assert not torch.equal(got, old)  # the step wrote its keys and values
 
 
-def test_not_attached_to_float32_models(llama_dir):
+def test_not_attached_where_a_linear_is_not_in_the_kernels_form(llama_dir):
+    """A float32 weight that oneDNN multiplies (prepacked: large ones are) is not the
+    float32 stack's; nor are bf16 weights."""
     llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=1 << 24)
-    assert _model(llm).model.decode_stack is None
+    model = _model(llm).model
+    assert model.decode_stack is not None
+    kernel = llama_decode.load_float32()
+    model.decode_stack = None
+    o_proj = model.layers[1].self_attn.o_proj
+    o_proj.weight.data, o_proj.transposed_weight = o_proj.transposed_weight.t().contiguous(), None
+    o_proj.prepack()
+    assert not model.attach_decode_stack(kernel)
+    norm = model.layers[0].input_layernorm.weight.data
+    with pytest.raises(ValueError, match="takes contiguous torch.float32 weights"):
+        kernel.stack([llama_decode.LayerTensors(norm.bfloat16(), *[norm] * 5)],
+                     llama_decode.StackDims(64, 4, 2, 32, 128, 256, 64, 256, 64, 1e-6, 0.1))
 
 
+@needs_amx
 @pytest.mark.parametrize("var", ["ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_AMX", "ASERVE_CPU_FUSED_OPS"])
 def test_switched_off_by_the_environment(var, monkeypatch):
     assert llama_decode.load() is not None
@@ -108,16 +139,28 @@ def test_switched_off_by_the_environment(var, monkeypatch):
     assert llama_decode.load() is None
 
 
+def test_float32_form_needs_no_amx_and_is_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("ASERVE_CPU_AMX", "0")
+    assert llama_decode.load_float32() is not None
+    for var in ("ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_FUSED_OPS"):
+        monkeypatch.setenv(var, "0")
+        assert llama_decode.load_float32() is None
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("ASERVE_CPU_ATTENTION", "sdpa")  # the stack calls the C attention kernel
+    assert llama_decode.load_float32() is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tensor_parallel_2_same_tokens_and_logprobs(arch, model_dirs, monkeypatch, capfd):
+def test_tensor_parallel_2_same_tokens_and_logprobs(dtype, arch, model_dirs, monkeypatch, capfd):
     """With two ranks each layer is two C calls with the all-reduces between them, where
     the layer-by-layer path has them: the results stay bit-identical."""
-    with LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24, tensor_parallel_size=2) as llm:
+    with LLM(str(model_dirs[arch]), dtype=dtype, kv_cache_memory=1 << 24, tensor_parallel_size=2) as llm:
         fused = _generate(llm)
     logged = capfd.readouterr().err
     assert logged.count("decode steps run the decoder layers from C (two calls a layer") == 2  # both ranks
     monkeypatch.setenv("ASERVE_CPU_FUSED_DECODE", "0")
-    with LLM(str(model_dirs[arch]), dtype="bfloat16", kv_cache_memory=1 << 24, tensor_parallel_size=2) as llm:
+    with LLM(str(model_dirs[arch]), dtype=dtype, kv_cache_memory=1 << 24, tensor_parallel_size=2) as llm:
         plain = _generate(llm)
     assert "decode steps run the decoder layers from C" not in capfd.readouterr().err
     assert plain == fused

@@ -1,6 +1,12 @@
 """A decode step through every decoder layer of a Llama-family model in one C call
-(``cpu_llama_decode.c``; two a layer on a tensor-parallel rank, all-reduced between),
-for bf16 models whose linear layers run on AMX (Llama, Mistral, Qwen2, Qwen3).
+(two a layer on a tensor-parallel rank, all-reduced between), for Llama, Mistral, Qwen2
+and Qwen3 layers in one of two forms:
+
+- bf16 with every linear layer on AMX (``cpu_llama_decode.c``, :func:`load`);
+- float32 with every linear layer on MKL's sgemm over its transposed weight, the form
+  small float32 weights take on any x86 CPU (``cpu_llama_decode_sgemm.c``,
+  :func:`load_float32`). The sgemm is torch's own (``sgemm_`` in ``libtorch_cpu``),
+  called as ``torch.mm`` calls it.
 
 On a small model the per-layer Python between the kernels (module calls, views, output
 tensors, ctypes conversions) cost about a third of a decode step; this calls the same
@@ -9,8 +15,9 @@ path. The model decides when it applies (:meth:`aserve.model.models.llama.LlamaM
 attach_decode_stack`); this module only describes the layers to the C side and keeps
 the step's scratch memory.
 
-:func:`load` returns None where the library cannot be built, the CPU has no AMX, or
-``ASERVE_CPU_FUSED_DECODE=0``.
+Both share their C body (``cpu_llama_decode_body.h``). :func:`load` returns None where the
+library cannot be built, the CPU has no AMX, or ``ASERVE_CPU_FUSED_DECODE=0``;
+:func:`load_float32` where it cannot be built, torch has no MKL, or the same switch.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import torch
 
 from aserve.envs import read_env
 from aserve.kernels.amx_linear import load_amx_library
+from aserve.kernels.cbuild import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
-_ALIGN = 32  # bf16 elements: each scratch region starts on a 64-byte line
+_SGEMM_SOURCE = Path(__file__).with_name("cpu_llama_decode_sgemm.c")
+_ALIGN = 32  # elements: each scratch region starts on a 64-byte line (or two)
 
 
 class _LayerWeights(ctypes.Structure):
@@ -38,8 +47,8 @@ class _LayerWeights(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
                 ("hidden", "Hq", "Hk", "D", "inter", "qkv_width", "o_width", "gate_up_width", "down_width",
-                 "block_size", "kv_stride_block", "kv_stride_token", "kv_stride_head")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("qk_eps", ctypes.c_float)]
+                 "block_size", "kv_stride_block", "kv_stride_token", "kv_stride_head", "kv_bf16")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("qk_eps", ctypes.c_float), ("sgemm", ctypes.c_void_p)]
 
 
 class _Step(ctypes.Structure):
@@ -52,8 +61,9 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True)
 class LayerTensors:
     """One decoder layer as the C side reads it: the two norm weights ([hidden]), the
-    four AMX-packed weights (``AmxLinear.pack``), the q/k/v bias (Qwen2) and the
-    per-head q and k norm weights ([head_dim], Qwen3) if any."""
+    four linear weights (bf16: AMX-packed by ``AmxLinear.pack``; float32: transposed,
+    [in, out] contiguous), the q/k/v bias (Qwen2) and the per-head q and k norm weights
+    ([head_dim], Qwen3) if any."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -68,7 +78,8 @@ class LayerTensors:
 
 @dataclass(frozen=True)
 class StackDims:
-    """Sizes every layer shares. Widths are the packed outputs' (``out`` rounded up to 32)."""
+    """Sizes every layer shares. Widths are the linear outputs' row lengths (AMX: ``out``
+    rounded up to 32; float32: ``out``)."""
 
     hidden: int
     num_heads: int
@@ -92,15 +103,17 @@ class DecodeStack:
     where the layer-by-layer path sums them; their widths must then equal ``hidden``."""
 
     def __init__(self, fn: ctypes._CFuncPtr, half: ctypes._CFuncPtr, layers: list[LayerTensors], dims: StackDims,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
+                 dtype: torch.dtype = torch.bfloat16, sgemm: int | None = None) -> None:
         self._fn, self._half = fn, half
+        self.dtype, self._sgemm = dtype, sgemm
         self._layers = layers  # the tensors, so their memory outlives the pointers below
         self.dims = dims
         self._all_reduce = all_reduce
         self._c_layers: ctypes.Array | None = None
         self._c_dims: _Dims | None = None
         self._kv_key: tuple[int, ...] = ()
-        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+        self._scratch = torch.empty(0, dtype=dtype)
 
     def _bind_kv(self, kv_caches: list[torch.Tensor]) -> None:
         """Layer and size structures for these caches ([2, blocks, block_size, Hk, D]
@@ -121,12 +134,14 @@ class DecodeStack:
         stride = kv_caches[0][0].stride()
         self._c_dims = _Dims(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate, d.qkv_width,
                              d.o_width, d.gate_up_width, d.down_width, kv_caches[0].shape[2], stride[0], stride[1],
-                             stride[2], d.eps, d.scale, d.qk_eps)
+                             stride[2], int(kv_caches[0].dtype == torch.bfloat16), d.eps, d.scale, d.qk_eps,
+                             self._sgemm)
         self._c_layers, self._kv_key = arr, key
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
             block_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer for ``x`` ([B, hidden] bf16 embeddings, one decode token per row):
+        """Every layer for ``x`` ([B, hidden] embeddings in the stack's dtype, one decode
+        token per row):
         ``(last layer's output, residual)``, views of scratch memory that the next call
         overwrites. ``cos`` / ``sin``: [B, head_dim / 2] contiguous; ``block_table``:
         int64 [B, max_blocks] contiguous; ``seq_lens``: int64 [B], the new token
@@ -138,10 +153,11 @@ class DecodeStack:
                  d.gate_up_width, d.intermediate]
         spans = [-(-rows * n // _ALIGN) * _ALIGN for n in sizes]
         if self._scratch.numel() < sum(spans):
-            self._scratch = torch.empty(sum(spans), dtype=torch.bfloat16)
+            self._scratch = torch.empty(sum(spans), dtype=self.dtype)
         base, offsets, at = self._scratch.data_ptr(), [], 0
+        elem = self._scratch.element_size()
         for span in spans:
-            offsets.append(base + 2 * at)
+            offsets.append(base + elem * at)
             at += span
         step = _Step(x.data_ptr(), *offsets, cos.data_ptr(), sin.data_ptr(), block_table.data_ptr(),
                      seq_lens.data_ptr(), rows, block_table.shape[1], torch.get_num_threads())
@@ -173,7 +189,10 @@ class DecodeStack:
 class LlamaDecodeKernel:
     """The loaded library: :meth:`stack` describes a model's layers once."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16, sgemm: int | None = None) -> None:
+        """``dtype``: the weights' and activations' (bf16: the AMX library; float32: the
+        sgemm one, with ``sgemm`` the address of BLAS's ``sgemm_``)."""
+        self.dtype, self._sgemm = dtype, sgemm
         self._fn = lib.aserve_llama_decode
         self._fn.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.c_int64, ctypes.POINTER(_Dims),
                              ctypes.POINTER(_Step)]
@@ -194,9 +213,9 @@ class LlamaDecodeKernel:
                 raise ValueError("pass both per-head norms, or neither")
             for t in (layer.input_norm, layer.post_norm, layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down,
                       layer.qkv_bias, layer.q_norm, layer.k_norm):
-                if t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous()):
-                    raise ValueError("the fused decode step takes contiguous bf16 weights")
-        return DecodeStack(self._fn, self._half, layers, dims, all_reduce)
+                if t is not None and (t.dtype != self.dtype or not t.is_contiguous()):
+                    raise ValueError(f"this fused decode step takes contiguous {self.dtype} weights")
+        return DecodeStack(self._fn, self._half, layers, dims, all_reduce, dtype=self.dtype, sgemm=self._sgemm)
 
 
 def load() -> LlamaDecodeKernel | None:
@@ -206,3 +225,27 @@ def load() -> LlamaDecodeKernel | None:
         return None
     lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "the fused decode step")
     return None if lib is None else LlamaDecodeKernel(lib)
+
+
+def torch_sgemm() -> int | None:
+    """The address of the BLAS ``sgemm_`` that torch.mm calls (MKL, in ``libtorch_cpu``),
+    or None where torch has no MKL or does not export it."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def load_float32() -> LlamaDecodeKernel | None:
+    """The float32 library, or None where it is unavailable or switched off."""
+    env = read_env()
+    if not env.cpu_fused_decode or not env.cpu_fused_ops or env.cpu_attention == "sdpa":
+        return None
+    sgemm = torch_sgemm()
+    if sgemm is None:
+        return None
+    lib = load_library(_SGEMM_SOURCE, env.cache_dir / "kernels", "the float32 fused decode step")
+    return None if lib is None else LlamaDecodeKernel(lib, torch.float32, sgemm)

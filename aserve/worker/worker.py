@@ -21,6 +21,7 @@ from aserve.kernels.amx_linear import load as load_amx_linear
 from aserve.kernels.cpu_fused_ops import attach as attach_fused_ops
 from aserve.kernels.cpu_fused_ops import load as load_fused_ops
 from aserve.kernels.llama_decode import load as load_decode_stack
+from aserve.kernels.llama_decode import load_float32 as load_float32_decode_stack
 from aserve.launch.process_utils import ProgressBar
 from aserve.model.layers.linear import prepack_linears
 from aserve.model.loader import load_model, resolve_dtype
@@ -59,12 +60,16 @@ class Worker:
             if fused is not None:
                 attach_fused_ops(model, fused)
                 # Decode steps through every layer from C, where the model's layers
-                # allow it (bf16 on AMX; aserve/kernels/llama_decode.py).
-                if self.dtype == self.kv_dtype == torch.bfloat16 and hasattr(model, "attach_decode_stack"):
-                    kernel = load_decode_stack()
-                    if kernel is not None and model.attach_decode_stack(kernel):
-                        logger.info("rank %d: decode steps run the decoder layers from C (%s)", tp.rank,
-                                    "one call" if tp.size == 1 else "two calls a layer, all-reduced between")
+                # allow it (bf16 on AMX, float32 on MKL; aserve/kernels/llama_decode.py).
+                kernel = None
+                if hasattr(model, "attach_decode_stack"):
+                    if self.dtype == self.kv_dtype == torch.bfloat16:
+                        kernel = load_decode_stack()
+                    elif self.dtype == torch.float32:
+                        kernel = load_float32_decode_stack()
+                if kernel is not None and model.attach_decode_stack(kernel):
+                    logger.info("rank %d: decode steps run the decoder layers from C (%s)", tp.rank,
+                                "one call" if tp.size == 1 else "two calls a layer, all-reduced between")
         if on_cpu:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,

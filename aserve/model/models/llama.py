@@ -112,6 +112,17 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def _stack_weight(lin: ColumnParallelLinear | RowParallelLinear,
+                  kernel: LlamaDecodeKernel) -> tuple[torch.Tensor, int, int] | None:
+    """``(weight, output width, output features)`` of ``lin`` as ``kernel`` takes it, or
+    None when ``lin`` is not in that form: bf16, the AMX-packed weight (its width padded
+    to 32); float32, the transposed weight ([in, out]) MKL multiplies."""
+    if kernel.dtype == torch.bfloat16:
+        return None if lin.amx is None else (lin.amx_weight, padded_width(lin.out_rows), lin.out_rows)
+    t = lin.transposed_weight
+    return None if t is None else (t, t.shape[1], t.shape[1])
+
+
 class LlamaModel(nn.Module):
     #: Every layer of a decode step in one C call (:meth:`attach_decode_stack`), when it applies.
     decode_stack: DecodeStack | None = None
@@ -127,10 +138,11 @@ class LlamaModel(nn.Module):
     def attach_decode_stack(self, kernel: LlamaDecodeKernel) -> bool:
         """Run decode steps through ``kernel`` (one C call for every layer) if this
         model's layers are exactly what it computes: Llama layers (no biases but on
-        q/k/v, as Qwen2 has; Qwen3's per-head q/k norms), every linear on AMX, the C
-        norm, rotary and SiLU kernels attached; with tensor parallelism, a hidden size
-        that is a multiple of 32 (the summed outputs are then unpadded). Returns whether
-        it was attached (only bf16 weights are: the stack checks)."""
+        q/k/v, as Qwen2 has; Qwen3's per-head q/k norms), every linear in the kernel's
+        form (bf16: on AMX; float32: MKL over a transposed weight), the C norm, rotary
+        and SiLU kernels attached; with tensor parallelism on AMX, a hidden size that is
+        a multiple of 32 (the summed outputs are then unpadded). Returns whether it was
+        attached (the stack checks the weights' dtype)."""
         layers = list(self.layers)
         if not layers or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
             return False
@@ -140,15 +152,15 @@ class LlamaModel(nn.Module):
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
                     or type(mlp).forward is not LlamaMLP.forward or attn.rotary is not self.rotary
-                    or any(lin.amx is None or lin.tp is not attn.o_proj.tp for lin in linears)
+                    or any(_stack_weight(lin, kernel) is None or lin.tp is not attn.o_proj.tp for lin in linears)
                     or any(lin.bias is not None for lin in linears[1:])
                     or mlp.fused_ops is None
                     or any(n.fused_ops is None for n in (layer.input_layernorm, layer.post_attention_layernorm))
                     or (attn.use_qk_norm and (attn.q_norm.fused_ops is None or attn.k_norm.fused_ops is None))):
                 return False
+            weights = [_stack_weight(lin, kernel)[0] for lin in linears]  # type: ignore[index]
             tensors.append(LayerTensors(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                        attn.qkv_proj.amx_weight, attn.o_proj.amx_weight, mlp.gate_up_proj.amx_weight,
-                                        mlp.down_proj.amx_weight,
+                                        *weights,
                                         None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data,
                                         attn.q_norm.weight.data if attn.use_qk_norm else None,
                                         attn.k_norm.weight.data if attn.use_qk_norm else None))
@@ -161,13 +173,14 @@ class LlamaModel(nn.Module):
             return False
         tp = attn.o_proj.tp
         hidden = first.input_layernorm.weight.shape[0]
-        if tp.size > 1 and hidden % 32:
+        if tp.size > 1 and kernel.dtype == torch.bfloat16 and hidden % 32:
             return False
+        (qkv_width, _), (o_width, _), (gate_up_width, gate_up_out), (down_width, _) = (
+            _stack_weight(lin, kernel)[1:] for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))  # type: ignore[index]
         self.decode_stack = kernel.stack(tensors, StackDims(
             hidden=hidden, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, intermediate=mlp.gate_up_proj.out_rows // 2,
-            qkv_width=padded_width(attn.qkv_proj.out_rows), o_width=padded_width(attn.o_proj.out_rows),
-            gate_up_width=padded_width(mlp.gate_up_proj.out_rows), down_width=padded_width(mlp.down_proj.out_rows),
+            head_dim=attn.head_dim, intermediate=gate_up_out // 2,
+            qkv_width=qkv_width, o_width=o_width, gate_up_width=gate_up_width, down_width=down_width,
             eps=norms.pop(), scale=attn.attn.scale, qk_eps=qk_norms.pop() if qk_norms else 0.0,
         ), all_reduce=tp.all_reduce if tp.size > 1 else None)
         return True

@@ -32,6 +32,7 @@ class Env:
     cpu_fused_ops: bool = True
     cpu_amx: bool = True
     cpu_fused_decode: bool = True
+    cpu_f32_linear: bool = True
 
 
 def read_env(environ: dict[str, str] | None = None) -> Env:
@@ -45,4 +46,5 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         cpu_fused_ops=environ.get("ASERVE_CPU_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off"),
         cpu_amx=environ.get("ASERVE_CPU_AMX", "1").lower() not in ("0", "false", "no", "off"),
         cpu_fused_decode=environ.get("ASERVE_CPU_FUSED_DECODE", "1").lower() not in ("0", "false", "no", "off"),
+        cpu_f32_linear=environ.get("ASERVE_CPU_F32_LINEAR", "1").lower() not in ("0", "false", "no", "off"),
     )

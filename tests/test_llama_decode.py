@@ -114,16 +114,15 @@ def test_one_step_gives_the_layers_hidden_states_and_kv_cache(dtype, llama_dir):
 
 
 def test_not_attached_where_a_linear_is_not_in_the_kernels_form(llama_dir):
-    """A float32 weight that oneDNN multiplies (prepacked: large ones are) is not the
-    float32 stack's; nor are bf16 weights."""
+    """A float32 weight in another form (oneDNN's, as large ones are; MKL's, where the
+    AVX2 kernel is switched off) is not the float32 stack's; nor are bf16 weights."""
     llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=1 << 24)
     model = _model(llm).model
     assert model.decode_stack is not None
     kernel = llama_decode.load_float32()
     model.decode_stack = None
     o_proj = model.layers[1].self_attn.o_proj
-    o_proj.weight.data, o_proj.transposed_weight = o_proj.transposed_weight.t().contiguous(), None
-    o_proj.prepack()
+    o_proj.f32, o_proj.transposed_weight = None, torch.zeros(o_proj.f32_weight.shape[0] // 64, 64)
     assert not model.attach_decode_stack(kernel)
     norm = model.layers[0].input_layernorm.weight.data
     with pytest.raises(ValueError, match="takes contiguous torch.float32 weights"):
@@ -142,7 +141,7 @@ def test_switched_off_by_the_environment(var, monkeypatch):
 def test_float32_form_needs_no_amx_and_is_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("ASERVE_CPU_AMX", "0")
     assert llama_decode.load_float32() is not None
-    for var in ("ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_FUSED_OPS"):
+    for var in ("ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_FUSED_OPS", "ASERVE_CPU_F32_LINEAR"):
         monkeypatch.setenv(var, "0")
         assert llama_decode.load_float32() is None
         monkeypatch.delenv(var)

@@ -1,5 +1,5 @@
-/* The decoder-layer stack of a decode step, shared by the bf16 (AMX) and float32 (MKL)
- * variants: cpu_llama_decode.c and cpu_llama_decode_sgemm.c, which say why and how.
+/* The decoder-layer stack of a decode step, shared by the bf16 (AMX) and float32 (AVX2)
+ * variants: cpu_llama_decode.c and cpu_llama_decode_f32.c, which say why and how.
  * Each variant defines its element type and linear layer, then includes this file. */
 /* One layer: its weights and its KV cache (built once, kept by the caller). */
 typedef struct {
@@ -19,7 +19,6 @@ typedef struct {
     int64_t kv_bf16; /* the cache's dtype: bf16 (1) or float32 (0) */
     float eps, scale;
     float qk_eps; /* the per-head norms' */
-    const void *sgemm; /* the float32 variant's BLAS sgemm_ (torch's MKL); unused by bf16 */
 } Dims;
 
 /* One step's inputs and scratch (ELEM, rows `B`, row-contiguous). */

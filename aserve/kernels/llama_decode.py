@@ -3,10 +3,9 @@
 and Qwen3 layers in one of two forms:
 
 - bf16 with every linear layer on AMX (``cpu_llama_decode.c``, :func:`load`);
-- float32 with every linear layer on MKL's sgemm over its transposed weight, the form
-  small float32 weights take on any x86 CPU (``cpu_llama_decode_sgemm.c``,
-  :func:`load_float32`). The sgemm is torch's own (``sgemm_`` in ``libtorch_cpu``),
-  called as ``torch.mm`` calls it.
+- float32 with every linear layer on the AVX2 kernel of
+  :mod:`aserve.kernels.f32_linear` (``cpu_llama_decode_f32.c``, :func:`load_float32`),
+  the form small float32 weights take on an x86 CPU without AMX.
 
 On a small model the per-layer Python between the kernels (module calls, views, output
 tensors, ctypes conversions) cost about a third of a decode step; this calls the same
@@ -17,7 +16,7 @@ the step's scratch memory.
 
 Both share their C body (``cpu_llama_decode_body.h``). :func:`load` returns None where the
 library cannot be built, the CPU has no AMX, or ``ASERVE_CPU_FUSED_DECODE=0``;
-:func:`load_float32` where it cannot be built, torch has no MKL, or the same switch.
+:func:`load_float32` where it cannot be built, the CPU lacks AVX2, or the same switch.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from aserve.kernels.amx_linear import load_amx_library
 from aserve.kernels.cbuild import load_library
 
 _SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
-_SGEMM_SOURCE = Path(__file__).with_name("cpu_llama_decode_sgemm.c")
+_F32_SOURCE = Path(__file__).with_name("cpu_llama_decode_f32.c")
 _ALIGN = 32  # elements: each scratch region starts on a 64-byte line (or two)
 
 
@@ -48,7 +47,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
                 ("hidden", "Hq", "Hk", "D", "inter", "qkv_width", "o_width", "gate_up_width", "down_width",
                  "block_size", "kv_stride_block", "kv_stride_token", "kv_stride_head", "kv_bf16")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("qk_eps", ctypes.c_float), ("sgemm", ctypes.c_void_p)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("qk_eps", ctypes.c_float)]
 
 
 class _Step(ctypes.Structure):
@@ -61,8 +60,8 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True)
 class LayerTensors:
     """One decoder layer as the C side reads it: the two norm weights ([hidden]), the
-    four linear weights (bf16: AMX-packed by ``AmxLinear.pack``; float32: transposed,
-    [in, out] contiguous), the q/k/v bias (Qwen2) and the per-head q and k norm weights
+    four linear weights (bf16: packed by ``AmxLinear.pack``; float32: packed by
+    ``F32Linear.pack``), the q/k/v bias (Qwen2) and the per-head q and k norm weights
     ([head_dim], Qwen3) if any."""
 
     input_norm: torch.Tensor
@@ -104,9 +103,9 @@ class DecodeStack:
 
     def __init__(self, fn: ctypes._CFuncPtr, half: ctypes._CFuncPtr, layers: list[LayerTensors], dims: StackDims,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
-                 dtype: torch.dtype = torch.bfloat16, sgemm: int | None = None) -> None:
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         self._fn, self._half = fn, half
-        self.dtype, self._sgemm = dtype, sgemm
+        self.dtype = dtype
         self._layers = layers  # the tensors, so their memory outlives the pointers below
         self.dims = dims
         self._all_reduce = all_reduce
@@ -134,8 +133,7 @@ class DecodeStack:
         stride = kv_caches[0][0].stride()
         self._c_dims = _Dims(d.hidden, d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate, d.qkv_width,
                              d.o_width, d.gate_up_width, d.down_width, kv_caches[0].shape[2], stride[0], stride[1],
-                             stride[2], int(kv_caches[0].dtype == torch.bfloat16), d.eps, d.scale, d.qk_eps,
-                             self._sgemm)
+                             stride[2], int(kv_caches[0].dtype == torch.bfloat16), d.eps, d.scale, d.qk_eps)
         self._c_layers, self._kv_key = arr, key
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -189,10 +187,10 @@ class DecodeStack:
 class LlamaDecodeKernel:
     """The loaded library: :meth:`stack` describes a model's layers once."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16, sgemm: int | None = None) -> None:
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16) -> None:
         """``dtype``: the weights' and activations' (bf16: the AMX library; float32: the
-        sgemm one, with ``sgemm`` the address of BLAS's ``sgemm_``)."""
-        self.dtype, self._sgemm = dtype, sgemm
+        AVX2 one)."""
+        self.dtype = dtype
         self._fn = lib.aserve_llama_decode
         self._fn.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.c_int64, ctypes.POINTER(_Dims),
                              ctypes.POINTER(_Step)]
@@ -215,7 +213,7 @@ class LlamaDecodeKernel:
                       layer.qkv_bias, layer.q_norm, layer.k_norm):
                 if t is not None and (t.dtype != self.dtype or not t.is_contiguous()):
                     raise ValueError(f"this fused decode step takes contiguous {self.dtype} weights")
-        return DecodeStack(self._fn, self._half, layers, dims, all_reduce, dtype=self.dtype, sgemm=self._sgemm)
+        return DecodeStack(self._fn, self._half, layers, dims, all_reduce, dtype=self.dtype)
 
 
 def load() -> LlamaDecodeKernel | None:
@@ -227,25 +225,13 @@ def load() -> LlamaDecodeKernel | None:
     return None if lib is None else LlamaDecodeKernel(lib)
 
 
-def torch_sgemm() -> int | None:
-    """The address of the BLAS ``sgemm_`` that torch.mm calls (MKL, in ``libtorch_cpu``),
-    or None where torch has no MKL or does not export it."""
-    if not torch.backends.mkl.is_available():
-        return None
-    try:
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
-
-
 def load_float32() -> LlamaDecodeKernel | None:
     """The float32 library, or None where it is unavailable or switched off."""
     env = read_env()
-    if not env.cpu_fused_decode or not env.cpu_fused_ops or env.cpu_attention == "sdpa":
+    if not env.cpu_fused_decode or not env.cpu_fused_ops or not env.cpu_f32_linear or env.cpu_attention == "sdpa":
         return None
-    sgemm = torch_sgemm()
-    if sgemm is None:
+    lib = load_library(_F32_SOURCE, env.cache_dir / "kernels", "the float32 fused decode step")
+    if lib is None:
         return None
-    lib = load_library(_SGEMM_SOURCE, env.cache_dir / "kernels", "the float32 fused decode step")
-    return None if lib is None else LlamaDecodeKernel(lib, torch.float32, sgemm)
+    lib.aserve_f32_linear_available.restype = ctypes.c_int
+    return LlamaDecodeKernel(lib, torch.float32) if lib.aserve_f32_linear_available() else None

@@ -20,6 +20,7 @@ from aserve.model.hf_config import load_arch_config
 from aserve.kernels.amx_linear import load as load_amx_linear
 from aserve.kernels.cpu_fused_ops import attach as attach_fused_ops
 from aserve.kernels.cpu_fused_ops import load as load_fused_ops
+from aserve.kernels.f32_linear import load as load_f32_linear
 from aserve.kernels.llama_decode import load as load_decode_stack
 from aserve.kernels.llama_decode import load_float32 as load_float32_decode_stack
 from aserve.launch.process_utils import ProgressBar
@@ -54,13 +55,14 @@ class Worker:
             # Loaded into host memory, shard by shard; one copy to the GPU. Tied weights
             # stay tied (Module.to replaces each parameter's data in place).
             model.to(self.device)
-        prepack_linears(model, load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None)
+        prepack_linears(model, load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None,
+                        load_f32_linear() if self.dtype == torch.float32 and on_cpu else None)
         if self.dtype in (torch.float32, torch.bfloat16) and on_cpu:
             fused = load_fused_ops()
             if fused is not None:
                 attach_fused_ops(model, fused)
                 # Decode steps through every layer from C, where the model's layers
-                # allow it (bf16 on AMX, float32 on MKL; aserve/kernels/llama_decode.py).
+                # allow it (bf16 on AMX, float32 on AVX2; aserve/kernels/llama_decode.py).
                 kernel = None
                 if hasattr(model, "attach_decode_stack"):
                     if self.dtype == self.kv_dtype == torch.bfloat16:

@@ -16,6 +16,7 @@ from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
 from aserve.kernels.amx_linear import AmxLinear, huge_page_arena
+from aserve.kernels.f32_linear import F32Linear
 from aserve.model.layers.weights import TensorSource, check_shape, expect_full_shape, new_param
 
 
@@ -37,7 +38,9 @@ class PackedMatmul:
     CPU: bf16 on AMX tiles (:mod:`aserve.kernels.amx_linear`), oneDNN on a prepacked
     weight (about 1.5x faster than ``F.linear`` at decode batch sizes, where
     ``F.linear`` would reorder a bf16 weight into oneDNN's blocked layout on every
-    call), or, for small float32 weights, MKL on a transposed copy.
+    call), or, for small float32 weights, the AVX2 kernel of
+    :mod:`aserve.kernels.f32_linear` on a packed copy (MKL on a transposed copy where
+    that kernel is unavailable).
 
     Mixed into the linear layers and the LM head; the class it is mixed into provides
     ``weight`` ([out, in]). A bias is the caller's to pass."""
@@ -45,6 +48,8 @@ class PackedMatmul:
     weight: nn.Parameter
     amx: AmxLinear | None = None
     amx_weight: torch.Tensor | None = None  # the tiled copy amx.pack made
+    f32: F32Linear | None = None
+    f32_weight: torch.Tensor | None = None  # the panel copy f32.pack made
     out_rows: int = 0  # output features, kept once the plain weight is dropped
     packed_weight: torch.Tensor | None = None
     transposed_weight: torch.Tensor | None = None  # [in, out], contiguous
@@ -54,6 +59,8 @@ class PackedMatmul:
         if self.amx is not None:
             # x is [T, in]: the model flattens its batch to tokens.
             return self.amx.linear(x, self.amx_weight, self.out_rows, bias)
+        if self.f32 is not None:
+            return self.f32.linear(x, self.f32_weight, self.out_rows, bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         if self.transposed_weight is not None:
@@ -64,6 +71,11 @@ class PackedMatmul:
     def use_amx(self, amx: AmxLinear, out: torch.Tensor | None = None) -> None:
         self.amx, self.out_rows = amx, self.weight.shape[0]
         self.amx_weight = amx.pack(self.weight.data, out)
+        self._drop_plain_weight()
+
+    def use_f32(self, f32: F32Linear) -> None:
+        self.f32, self.out_rows = f32, self.weight.shape[0]
+        self.f32_weight = f32.pack(self.weight.data)
         self._drop_plain_weight()
 
     def prepack(self) -> None:
@@ -87,14 +99,14 @@ class _Linear(PackedMatmul, nn.Module):
     bias: nn.Parameter | None
 
 
-def prepack_linears(model: nn.Module, amx: AmxLinear | None = None) -> int:
+def prepack_linears(model: nn.Module, amx: AmxLinear | None = None, f32: F32Linear | None = None) -> int:
     """Give every tensor-parallel linear of a CPU model, and its LM head, its fastest
     weight layout; returns how many layers it saw.
 
     bf16 weights whose input side is a multiple of 32 go to ``amx`` when given (the
     output side is padded to 32); other large weights (and every other bf16 one) are
-    prepacked for oneDNN where oneDNN can; small float32 weights are stored transposed
-    for MKL (see :func:`_packing_pays`). A weight another module also uses (an LM head
+    prepacked for oneDNN where oneDNN can; small float32 weights go to ``f32`` when
+    given, else are stored transposed for MKL (see :func:`_packing_pays`). A weight another module also uses (an LM head
     tied to the embedding) gets its fast copy too but keeps the plain one the other
     module reads, as vLLM's CPU backend does for every LM head: a second copy of the
     head (vocabulary x hidden) buys a faster step (a 151,936 x 1,024 bf16 head, two
@@ -125,6 +137,8 @@ def prepack_linears(model: nn.Module, amx: AmxLinear | None = None) -> int:
             continue
         if can_pack and _packing_pays(layer.weight):
             layer.prepack()
+        elif f32 is not None and f32.supports(layer.weight):
+            layer.use_f32(f32)
         else:
             layer.transpose()
     return len(layers)

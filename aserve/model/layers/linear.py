@@ -38,9 +38,9 @@ class PackedMatmul:
     CPU: bf16 on AMX tiles (:mod:`aserve.kernels.amx_linear`), oneDNN on a prepacked
     weight (about 1.5x faster than ``F.linear`` at decode batch sizes, where
     ``F.linear`` would reorder a bf16 weight into oneDNN's blocked layout on every
-    call), or, for small float32 weights, the AVX2 kernel of
-    :mod:`aserve.kernels.f32_linear` on a packed copy (MKL on a transposed copy where
-    that kernel is unavailable).
+    call), or, for float32 weights, the AVX2 kernel of :mod:`aserve.kernels.f32_linear`
+    on a packed copy (where it is unavailable, oneDNN for large float32 weights and MKL
+    on a transposed copy for small ones).
 
     Mixed into the linear layers and the LM head; the class it is mixed into provides
     ``weight`` ([out, in]). A bias is the caller's to pass."""
@@ -104,9 +104,9 @@ def prepack_linears(model: nn.Module, amx: AmxLinear | None = None, f32: F32Line
     weight layout; returns how many layers it saw.
 
     bf16 weights whose input side is a multiple of 32 go to ``amx`` when given (the
-    output side is padded to 32); other large weights (and every other bf16 one) are
-    prepacked for oneDNN where oneDNN can; small float32 weights go to ``f32`` when
-    given, else are stored transposed for MKL (see :func:`_packing_pays`). A weight another module also uses (an LM head
+    output side is padded to 32); float32 weights go to ``f32`` when given; other large
+    weights (and every other bf16 one) are prepacked for oneDNN where oneDNN can, and
+    small float32 ones stored transposed for MKL (see :func:`_packing_pays`). A weight another module also uses (an LM head
     tied to the embedding) gets its fast copy too but keeps the plain one the other
     module reads, as vLLM's CPU backend does for every LM head: a second copy of the
     head (vocabulary x hidden) buys a faster step (a 151,936 x 1,024 bf16 head, two
@@ -135,10 +135,10 @@ def prepack_linears(model: nn.Module, amx: AmxLinear | None = None, f32: F32Line
     for layer in layers:
         if layer.amx is not None:
             continue
-        if can_pack and _packing_pays(layer.weight):
-            layer.prepack()
-        elif f32 is not None and f32.supports(layer.weight):
+        if f32 is not None and f32.supports(layer.weight):
             layer.use_f32(f32)
+        elif can_pack and _packing_pays(layer.weight):
+            layer.prepack()
         else:
             layer.transpose()
     return len(layers)

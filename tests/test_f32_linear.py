@@ -9,10 +9,15 @@ import torch
 
 from aserve import LLM
 from aserve.kernels import f32_linear
-from aserve.kernels.cbuild import cpu_flags
 
-HAS_AVX2 = {"avx2", "fma"} <= (cpu_flags() or frozenset())
-pytestmark = pytest.mark.skipif(not HAS_AVX2, reason="this CPU has no AVX2 and FMA: the kernel is not built for it")
+pytestmark = pytest.mark.skipif(not f32_linear.cpu_supported(),
+                                reason="the float32 kernel is for AVX2 + FMA CPUs without AVX-512 (this one is not)")
+
+
+def test_which_cpus_it_is_for():
+    assert f32_linear.cpu_supported(frozenset({"avx2", "fma", "sse2"}))
+    assert not f32_linear.cpu_supported(frozenset({"avx2", "fma", "avx512f"}))
+    assert not f32_linear.cpu_supported(frozenset({"avx", "sse2"}))
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import amx_linear, llama_decode
+from aserve.kernels import amx_linear, f32_linear, llama_decode
 
 needs_amx = pytest.mark.skipif(not amx_linear.cpu_has_amx(),
                                reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
-DTYPES = [pytest.param("bfloat16", marks=needs_amx), "float32"]
+needs_f32 = pytest.mark.skipif(not f32_linear.cpu_supported(),
+                               reason="the float32 kernels are for AVX2 + FMA CPUs without AVX-512 (this one is not)")
+DTYPES = [pytest.param("bfloat16", marks=needs_amx), pytest.param("float32", marks=needs_f32)]
 
 
 def _model(llm: LLM) -> torch.nn.Module:
@@ -69,6 +71,7 @@ def test_same_tokens_and_logprobs_as_the_layer_by_layer_path(dtype, arch, thread
     assert _generate(llm) == fused  # bit-identical: the same kernels in the same order
 
 
+@needs_f32
 def test_float32_model_over_a_bf16_cache(llama_dir, monkeypatch):
     """The float32 stack reads and writes a bf16 KV cache as the layer path does."""
     fused_llm = LLM(str(llama_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory=1 << 24)
@@ -113,6 +116,7 @@ def test_one_step_gives_the_layers_hidden_states_and_kv_cache(dtype, llama_dir):
         assert not torch.equal(got, old)  # the step wrote its keys and values
 
 
+@needs_f32
 def test_not_attached_where_a_linear_is_not_in_the_kernels_form(llama_dir):
     """A float32 weight in another form (oneDNN's, as large ones are; MKL's, where the
     AVX2 kernel is switched off) is not the float32 stack's; nor are bf16 weights."""
@@ -138,6 +142,7 @@ def test_switched_off_by_the_environment(var, monkeypatch):
     assert llama_decode.load() is None
 
 
+@needs_f32
 def test_float32_form_needs_no_amx_and_is_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("ASERVE_CPU_AMX", "0")
     assert llama_decode.load_float32() is not None

@@ -10,8 +10,9 @@ figures. The float32 one-call decode
 step (``cpu_llama_decode_f32.c``) calls the same kernel, so the two paths agree bit for
 bit.
 
-:func:`load` returns None where the kernel cannot be built, the CPU lacks AVX2 or FMA,
-or ``ASERVE_CPU_F32_LINEAR=0``; the layers then keep MKL.
+:func:`load` returns None where the kernel cannot be built, the CPU lacks AVX2 or FMA or
+has AVX-512 (see :func:`cpu_supported`), or ``ASERVE_CPU_F32_LINEAR=0``; the layers then
+keep oneDNN and MKL.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from aserve.envs import read_env
-from aserve.kernels.cbuild import load_library
+from aserve.kernels.cbuild import cpu_flags, load_library
 
 _SOURCE = Path(__file__).with_name("cpu_f32_linear.c")
 
@@ -73,9 +74,17 @@ class F32Linear:
         return y
 
 
+def cpu_supported(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (or ``flags``) is one the kernel is for: AVX2 and FMA, without
+    AVX-512F. It was measured against MKL and oneDNN only on an AVX2 CPU (Zen 3); with
+    AVX-512 they multiply 16 lanes at a time to its 8, so they keep those weights."""
+    flags = cpu_flags() if flags is None else flags
+    return flags is not None and {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
 def load() -> F32Linear | None:
     """The kernel, or None where it is unavailable or switched off."""
-    if not read_env().cpu_f32_linear:
+    if not read_env().cpu_f32_linear or not cpu_supported():
         return None
     lib = load_library(_SOURCE, read_env().cache_dir / "kernels", "float32 linear layers")
     if lib is None:

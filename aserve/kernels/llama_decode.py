@@ -16,7 +16,8 @@ the step's scratch memory.
 
 Both share their C body (``cpu_llama_decode_body.h``). :func:`load` returns None where the
 library cannot be built, the CPU has no AMX, or ``ASERVE_CPU_FUSED_DECODE=0``;
-:func:`load_float32` where it cannot be built, the CPU lacks AVX2, or the same switch.
+:func:`load_float32` where it cannot be built, the float32 linear kernel does not apply to
+this CPU (:func:`aserve.kernels.f32_linear.cpu_supported`), or the same switches.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from aserve.envs import read_env
 from aserve.kernels.amx_linear import load_amx_library
 from aserve.kernels.cbuild import load_library
+from aserve.kernels.f32_linear import cpu_supported as f32_cpu_supported
 
 _SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
 _F32_SOURCE = Path(__file__).with_name("cpu_llama_decode_f32.c")
@@ -228,7 +230,8 @@ def load() -> LlamaDecodeKernel | None:
 def load_float32() -> LlamaDecodeKernel | None:
     """The float32 library, or None where it is unavailable or switched off."""
     env = read_env()
-    if not env.cpu_fused_decode or not env.cpu_fused_ops or not env.cpu_f32_linear or env.cpu_attention == "sdpa":
+    if (not env.cpu_fused_decode or not env.cpu_fused_ops or not env.cpu_f32_linear or env.cpu_attention == "sdpa"
+            or not f32_cpu_supported()):
         return None
     lib = load_library(_F32_SOURCE, env.cache_dir / "kernels", "the float32 fused decode step")
     if lib is None:

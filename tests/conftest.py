@@ -24,6 +24,21 @@ def sharded_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def bf16_llama_dir(llama_dir: Path, tmp_path: Path) -> Path:
+    """The test llama (float32 weights) with a config.json that names bfloat16."""
+    import json
+
+    for path in llama_dir.iterdir():
+        (tmp_path / path.name).symlink_to(path)
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = "bfloat16"
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.fixture
 def set_threads():
     """``torch.set_num_threads`` for the test; the count is restored after it."""
     import torch

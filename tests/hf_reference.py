@@ -6,6 +6,19 @@ from pathlib import Path
 
 import torch
 
+from aserve.sampling_params import SamplingParams
+
+#: Prompts of 2 to 48 tokens: with a small step budget the longer ones prefill in chunks,
+#: the later chunks over cached context.
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. A language model reads a sequence",
+    "Once upon a time there was a small town by the sea. The people of the town were fishers and bakers, "
+    "teachers and builders. In the morning the boats went out",
+]
+#: 16 greedy tokens with the chosen token's logprob.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+
 
 def load_hf(model_dir: Path):
     import transformers

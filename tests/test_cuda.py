@@ -18,19 +18,12 @@ import torch
 from aserve import LLM, SamplingParams
 from aserve.errors import EngineDeadError
 from aserve.frontend.async_llm import AsyncLLM
-from tests.hf_reference import hf_greedy, hf_logprobs, load_hf
+from tests.hf_reference import GREEDY, PROMPTS, hf_greedy, hf_logprobs, load_hf
 from tests.test_async_llm import alive, collect, leftovers, tree
 
 GPUS = torch.cuda.device_count()
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU (none visible)")
 
-PROMPTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog. A language model reads a sequence",
-    "Once upon a time there was a small town by the sea. The people of the town were fishers and bakers, "
-    "teachers and builders. In the morning the boats went out",
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
 KV = 1 << 24
 
 

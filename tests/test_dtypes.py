@@ -3,11 +3,8 @@ natively, which computes in float32."""
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
-import pytest
 
 from aserve import LLM, SamplingParams
 from aserve.engine import engine_core
@@ -25,19 +22,6 @@ def test_cpu_half_dtypes_from_flags():
     assert cpu_half_dtypes(ZEN3_FLAGS) == frozenset()
     assert cpu_half_dtypes("processor\t: 0\nflags\t\t: avx512f avx512_bf16\n") == {"bfloat16"}
     assert cpu_half_dtypes("processor\t: 0\nFeatures\t: fp asimd bf16\n") is None  # not x86: unknown
-
-
-@pytest.fixture
-def bf16_llama_dir(llama_dir: Path, tmp_path: Path) -> Path:
-    """The test llama (float32 weights) with a config.json that names bfloat16."""
-    for path in llama_dir.iterdir():
-        (tmp_path / path.name).symlink_to(path)
-    cfg = json.loads((llama_dir / "config.json").read_text())
-    cfg.pop("dtype", None)
-    cfg["torch_dtype"] = "bfloat16"
-    (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return tmp_path
 
 
 def test_auto_resolves_by_what_the_cpu_multiplies_natively(bf16_llama_dir):

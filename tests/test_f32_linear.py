@@ -10,8 +10,8 @@ import torch
 from aserve import LLM
 from aserve.kernels import f32_linear
 
-pytestmark = pytest.mark.skipif(not f32_linear.cpu_supported(),
-                                reason="the float32 kernel is for AVX2 + FMA CPUs without AVX-512 (this one is not)")
+needs_kernel = pytest.mark.skipif(not f32_linear.cpu_supported(),
+                                  reason="the float32 kernel is for AVX2 + FMA CPUs without AVX-512 (this one is not)")
 
 
 def test_which_cpus_it_is_for():
@@ -27,6 +27,7 @@ def kernel() -> f32_linear.F32Linear:
     return k
 
 
+@needs_kernel
 @pytest.mark.parametrize("n, k", [(16, 1), (40, 17), (427, 256), (256, 1408)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 33, 300])
 def test_matches_a_float64_reference(kernel, rows, n, k):
@@ -43,6 +44,7 @@ def test_matches_a_float64_reference(kernel, rows, n, k):
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * k**0.5), (got.double() - want).abs().max()
 
 
+@needs_kernel
 def test_results_do_not_depend_on_threads_or_on_other_rows(kernel, set_threads):
     g = torch.Generator().manual_seed(3)
     w, x, bias = torch.randn(100, 64, generator=g), torch.randn(31, 64, generator=g), torch.randn(100, generator=g)
@@ -58,6 +60,7 @@ def test_results_do_not_depend_on_threads_or_on_other_rows(kernel, set_threads):
         assert torch.equal(kernel.linear(x[max(0, r - 3) : r + 1], packed, 100, bias)[-1], one[r])
 
 
+@needs_kernel
 def test_small_float32_layers_get_it_and_the_switch_turns_it_off(llama_dir, monkeypatch):
     from aserve.model.layers.linear import PackedMatmul
 

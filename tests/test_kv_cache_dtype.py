@@ -6,20 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aserve import LLM, SamplingParams
+from aserve import LLM
 from aserve.cli import build_parser
 from aserve.engine.engine_core import fit_config
 from aserve.errors import ConfigError
 from aserve.frontend.engine_args import make_engine_config
-from tests.hf_reference import hf_logprobs, load_hf
+from tests.hf_reference import GREEDY, PROMPTS, hf_logprobs, load_hf
 
-PROMPTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog. A language model reads a sequence",
-    "Once upon a time there was a small town by the sea. The people of the town were fishers and bakers, "
-    "teachers and builders. In the morning the boats went out",
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
 
 
 def test_bad_kv_cache_dtype_names_its_field(llama_dir):

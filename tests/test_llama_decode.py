@@ -1,6 +1,6 @@
 """The fused decode step (aserve/kernels/llama_decode.py): every layer of a decode step in
 one C call must give exactly what the layer-by-layer path gives, and apply only where
-it computes the model's layers. bf16 (AMX) and float32 (MKL's sgemm) forms; the bf16
+it computes the model's layers. bf16 (AMX) and float32 (AVX2) forms; the bf16
 one is skipped, with its reason, on a CPU without AMX."""
 
 from __future__ import annotations

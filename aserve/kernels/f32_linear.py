@@ -1,14 +1,13 @@
 """float32 linear layers on AVX2 + FMA over a packed weight, from ``cpu_f32_linear.c``.
 
-The form float32 weights take on an x86 CPU with AVX2 (small ones used MKL over a
-transposed copy, large ones oneDNN on a prepacked copy): the weight is packed once into
+The form float32 weights take on an x86 CPU with AVX2 and no AVX-512 (small ones used
+MKL over a transposed copy, large ones oneDNN on a prepacked copy): the weight is packed once into
 panels of 16 output columns and kept only in that form (but for an LM head tied to the
 embedding). On the 7M model's weights, one Zen 3 core, it runs 1.2-1.6x MKL's rate at
 decode batch sizes and about even at prefill sizes; on the 152M model's, two cores,
 1.2-1.3x oneDNN's at every batch size measured (8, 32, 2,048 rows). The C file has the
-figures. The float32 one-call decode
-step (``cpu_llama_decode_f32.c``) calls the same kernel, so the two paths agree bit for
-bit.
+figures. The float32 one-call decode step (``cpu_llama_decode_f32.c``) calls the same
+kernel, so the two paths agree bit for bit.
 
 :func:`load` returns None where the kernel cannot be built, the CPU lacks AVX2 or FMA or
 has AVX-512 (see :func:`cpu_supported`), or ``ASERVE_CPU_F32_LINEAR=0``; the layers then
@@ -84,9 +83,10 @@ def cpu_supported(flags: frozenset[str] | None = None) -> bool:
 
 def load() -> F32Linear | None:
     """The kernel, or None where it is unavailable or switched off."""
-    if not read_env().cpu_f32_linear or not cpu_supported():
+    env = read_env()
+    if not env.cpu_f32_linear or not cpu_supported():
         return None
-    lib = load_library(_SOURCE, read_env().cache_dir / "kernels", "float32 linear layers")
+    lib = load_library(_SOURCE, env.cache_dir / "kernels", "float32 linear layers")
     if lib is None:
         return None
     lib.aserve_f32_linear_available.restype = ctypes.c_int

@@ -146,25 +146,27 @@ class LlamaModel(nn.Module):
         if not layers or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
             return False
         tensors = []
+        first_forms: list[tuple[torch.Tensor, int, int]] = []  # the first layer's: every layer has its widths
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            forms = [_stack_weight(lin, kernel) for lin in linears]
             if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
                     or type(mlp).forward is not LlamaMLP.forward or attn.rotary is not self.rotary
-                    or any(_stack_weight(lin, kernel) is None or lin.tp is not attn.o_proj.tp for lin in linears)
+                    or any(form is None for form in forms) or any(lin.tp is not attn.o_proj.tp for lin in linears)
                     or any(lin.bias is not None for lin in linears[1:])
                     or mlp.fused_ops is None
                     or any(n.fused_ops is None for n in (layer.input_layernorm, layer.post_attention_layernorm))
                     or (attn.use_qk_norm and (attn.q_norm.fused_ops is None or attn.k_norm.fused_ops is None))):
                 return False
-            weights = [_stack_weight(lin, kernel)[0] for lin in linears]  # type: ignore[index]
+            first_forms = first_forms or forms  # type: ignore[assignment]
             tensors.append(LayerTensors(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                                        *weights,
+                                        *(form[0] for form in forms),  # type: ignore[index]
                                         None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data,
                                         attn.q_norm.weight.data if attn.use_qk_norm else None,
                                         attn.k_norm.weight.data if attn.use_qk_norm else None))
         first = layers[0]
-        attn, mlp = first.self_attn, first.mlp
+        attn = first.self_attn
         norms = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
         qk_norms = {n.eps for layer in layers if layer.self_attn.use_qk_norm
                     for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)}
@@ -174,8 +176,7 @@ class LlamaModel(nn.Module):
         hidden = first.input_layernorm.weight.shape[0]
         if tp.size > 1 and kernel.dtype == torch.bfloat16 and hidden % 32:
             return False
-        (qkv_width, _), (o_width, _), (gate_up_width, gate_up_out), (down_width, _) = (
-            _stack_weight(lin, kernel)[1:] for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))  # type: ignore[index]
+        (qkv_width, _), (o_width, _), (gate_up_width, gate_up_out), (down_width, _) = (form[1:] for form in first_forms)
         self.decode_stack = kernel.stack(tensors, StackDims(
             hidden=hidden, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim, intermediate=gate_up_out // 2,

@@ -1,110 +1,90 @@
 """The ``aserve`` command.
 
-    aserve generate "PROMPT" [--model PATH] [--max-tokens N] [--temperature T]
+    aserve run [MODEL] [--tp N] [--dp N] ...       serve the OpenAI API (docs/serving.md)
+    aserve generate "PROMPT" [--model PATH] ...    print the completion of PROMPT
+    aserve bench serve|throughput|latency ...     benchmarks (docs/benchmarks.md)
 
-prints the completion of PROMPT. With no ``--model`` it uses the embedded default
-model, built on first use into ``$ASERVE_CACHE_DIR`` (random weights: its text is
+The engine flags of ``run``, ``generate`` and ``bench throughput|latency`` are generated
+from ``EngineArgs`` (``aserve.engine.args``), so each has the same name, default and
+check as the keyword of ``LLM`` and ``AsyncLLM``. With no model, the embedded default
+model is built on first use into ``$ASERVE_CACHE_DIR`` (random weights: its text is
 nonsense, which stderr says).
 
-    aserve run [MODEL] [--tp N] [--dp N] ...       serve the OpenAI API (docs/serving.md)
-    aserve bench serve|throughput|latency ...     benchmarks (docs/benchmarks.md)
+A mistake (a bad flag, a missing or corrupt model file, a port in use, a length over the
+model's limit) prints one line, ``aserve: error: ...``, naming the flag or the file, and
+exits with status 2 before any process starts; ``--log-level DEBUG`` adds the traceback.
+
+Module-level imports stay light: a spawned child of ``aserve run`` imports this module
+again (``multiprocessing`` re-imports the main script), so everything heavy is imported
+inside the command that needs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+import traceback
+from typing import Any, NoReturn
 
-from aserve.config import DEFAULT_PREFIX_CACHE_RESERVE, DTYPES, TP_COMMS
-from aserve.devices import DEVICES
-from aserve.errors import AserveError
+from aserve.engine.args import add_cli_arguments, from_cli
+from aserve.errors import AserveError, ConfigError
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face-format model directory (default: the embedded model)")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight and activation dtype (default: the checkpoint's)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output) to serve")
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
-                        help="dtype the KV cache stores keys and values in (default: the model's). bfloat16 under a float32 "
-                        "model halves the cache's memory and the bytes a decode step reads")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator")
-    parser.add_argument("--device", default="auto", choices=DEVICES,
-                        help="where the model runs (default auto: CUDA when a GPU is visible, else the CPU)")
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in aserve's one-line form (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"aserve: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aserve", description="LLM inference with the OpenAI API's shapes.")
+    parser = _Parser(prog="aserve", description="LLM inference with the OpenAI API's shapes.")
     sub = parser.add_subparsers(dest="command", required=True)
+
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
     gen.add_argument("prompt", help="the text to complete")
-    _add_engine_args(gen)
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    gen.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS)
+    add_cli_arguments(gen, model_positional=False)
 
     run = sub.add_parser("run", help="serve a model over the OpenAI HTTP API",
                          description="Serve MODEL (a Hugging Face-format directory; the embedded default model when "
                                      "omitted) over the OpenAI HTTP API.")
-    run.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
-    run.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")
-    run.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=1,
-                     help="data-parallel engines, each with its own TP group (default 1)")
-    run.add_argument("--api-server-count", type=int, default=None,
-                     help="API server processes sharing the port (default: the DP size)")
-    run.add_argument("--dp-size-local", "--data-parallel-size-local", dest="dp_size_local", type=int, default=None,
-                     help="engines on this node (default: all); the rest run on headless nodes")
-    run.add_argument("--dp-start-rank", "--data-parallel-start-rank", dest="dp_start_rank", type=int, default=0,
-                     help="DP rank of this node's first engine (headless nodes)")
-    run.add_argument("--dp-address", "--data-parallel-address", dest="dp_address", default="127.0.0.1",
-                     help="the front-end node's address for the TCP wires between nodes (default 127.0.0.1)")
-    run.add_argument("--dp-rpc-port", "--data-parallel-rpc-port", dest="dp_rpc_port", type=int, default=None,
-                     help="the front-end node's handshake port for headless nodes (default 13345)")
-    run.add_argument("--headless", action="store_true",
-                     help="run engines and workers only, serving the front-end node at --dp-address")
-    run.add_argument("--dp-secret", default=None,
-                     help="shared secret of the TCP wires between nodes (or --dp-secret-file, or ASERVE_DP_SECRET)")
-    run.add_argument("--dp-secret-file", default=None, help="file holding the shared secret")
-    run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    run.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
-    run.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    run.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
-    run.add_argument("--dtype", default="auto", choices=DTYPES, help="weight and activation dtype")
-    run.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output)")
-    run.add_argument("--max-num-seqs", type=int, default=256, help="requests in one step")
-    run.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help="token budget of one step (default: 2048 x the TP size, as vLLM's CPU server)")
-    run.add_argument("--worker-threads", type=int, default=None,
-                     help="torch threads per worker (default: this node's cores / its workers). On a small "
-                          "machine a tiny model serves faster with fewer, leaving cores to the API server")
-    run.add_argument("--no-cpu-affinity", dest="cpu_affinity", action="store_false",
-                     help="do not pin workers to cores of their own when their threads leave cores free "
-                          "(the API servers and engine cores then share those; see docs/configuration.md)")
-    run.add_argument("--device", default="auto", choices=DEVICES,
-                     help="where the workers run (default auto: CUDA when a GPU is visible, else the CPU)")
-    run.add_argument("--tp-comm", choices=TP_COMMS, default="auto",
-                     help="how the workers of one engine exchange activations: shm (CPU shared memory), nccl (CUDA), "
-                          "gloo (gloo's TCP for every collective, either device); default auto: shm on CPU, nccl on CUDA")
-    run.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default 4 GiB)")
-    run.add_argument("--kv-cache-dtype", default="auto", choices=DTYPES,
-                     help="dtype the KV cache stores keys and values in (default: the model's). bfloat16 under a float32 "
-                     "model halves the cache's memory and the bytes a decode step reads")
-    run.add_argument("--prefix-cache-reserve", type=float, default=DEFAULT_PREFIX_CACHE_RESERVE,
-                     help="share of the KV pool that freed, cached prefixes may fill before blocks never used "
-                          f"yet are touched (default {DEFAULT_PREFIX_CACHE_RESERVE}; 1.0: all of it)")
-    run.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator")
-    run.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
-    run.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                     help="seconds without a heartbeat after which an engine process counts as dead (default 30)")
-    run.add_argument("--ssl-certfile", default=None, help="TLS certificate (enables HTTPS with HTTP/2 by ALPN)")
-    run.add_argument("--ssl-keyfile", default=None, help="TLS private key")
-    run.add_argument("--loop", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
-                     help="event loop (default auto: uvloop when installed, else asyncio)")
-    run.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    server = run.add_argument_group("server options")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    server.add_argument("--api-server-count", type=int, default=None,
+                        help="API server processes sharing the port (default: the DP size)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
+    server.add_argument("--ssl-certfile", default=None, help="TLS certificate (enables HTTPS with HTTP/2 by ALPN)")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS private key")
+    server.add_argument("--loop", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
+                        help="event loop (default auto: uvloop when installed, else asyncio)")
+    server.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    nodes = run.add_argument_group("data parallelism across nodes (docs/data-parallel.md)")
+    nodes.add_argument("--dp-size-local", "--data-parallel-size-local", dest="dp_size_local", type=int, default=None,
+                       help="engines on this node (default: all); the rest run on headless nodes")
+    nodes.add_argument("--dp-start-rank", "--data-parallel-start-rank", dest="dp_start_rank", type=int, default=0,
+                       help="DP rank of this node's first engine (headless nodes)")
+    nodes.add_argument("--dp-address", "--data-parallel-address", dest="dp_address", default="127.0.0.1",
+                       help="the front-end node's address for the TCP wires between nodes (default 127.0.0.1)")
+    nodes.add_argument("--dp-rpc-port", "--data-parallel-rpc-port", dest="dp_rpc_port", type=int, default=None,
+                       help="the front-end node's handshake port for headless nodes (default 13345)")
+    nodes.add_argument("--headless", action="store_true",
+                       help="run engines and workers only, serving the front-end node at --dp-address")
+    nodes.add_argument("--dp-secret", default=None,
+                       help="shared secret of the TCP wires between nodes (or --dp-secret-file, or ASERVE_DP_SECRET)")
+    nodes.add_argument("--dp-secret-file", default=None, help="file holding the shared secret")
+    add_cli_arguments(run, model_positional=True)
     _add_bench_parser(sub)
     return parser
 
@@ -145,7 +125,6 @@ def _add_bench_parser(sub: Any) -> None:
 
     for name, text in (("throughput", "offline throughput through LLM"), ("latency", "one batch, time per step")):
         p = kinds.add_parser(name, help=text)
-        _add_engine_args(p)
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=128)
         if name == "throughput":
@@ -155,23 +134,28 @@ def _add_bench_parser(sub: Any) -> None:
             p.add_argument("--num-iters-warmup", type=int, default=1)
             p.add_argument("--num-iters", type=int, default=3)
         p.add_argument("--output-json", default=None, help="write the result JSON here")
+        p.add_argument("--log-level", default="WARNING", choices=LOG_LEVELS)
+        add_cli_arguments(p, model_positional=False)
+
+
+def _configure_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from aserve import LLM, SamplingParams
-    from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
+    from aserve.frontend.llm import LLM
+    from aserve.sampling_params import SamplingParams
 
+    _configure_logging(args.log_level)
     if args.model is None:
         print("aserve: using the embedded default model (random weights: its output is nonsense)", file=sys.stderr)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.sampling_seed,
     )
-    llm = LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY, kv_cache_dtype=args.kv_cache_dtype,
-        device=args.device,
-    )
+    llm = LLM(**vars(from_cli(args)))
     output = llm.generate(args.prompt, params)[0]
     print(output.outputs[0].text)
     return 0
@@ -183,13 +167,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.bench_command == "serve":
         return _bench_serve(args)
-    from aserve import LLM
     from aserve.bench import offline
-    from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY
+    from aserve.frontend.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-              kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY, kv_cache_dtype=args.kv_cache_dtype,
-              device=args.device)
+    _configure_logging(args.log_level)
+    llm = LLM(**vars(from_cli(args)))
     if args.bench_command == "throughput":
         result = offline.throughput(llm, num_prompts=args.num_prompts, input_len=args.input_len,
                                     output_len=args.output_len, seed=args.seed)
@@ -222,9 +204,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     from aserve.bench import datasets
     from aserve.bench.serve import LoadConfig, format_summary, parse_goodput, run_load, summarize
-    from aserve.errors import ConfigError
-    from aserve.launch.process_utils import ProgressBar
-    from aserve.tokenizer import Tokenizer
+    from aserve.frontend.tokenizer import Tokenizer
+    from aserve.progress import ProgressBar
 
     tokenizer_dir = args.tokenizer or args.model
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
@@ -260,69 +241,44 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
-def _data_parallel(args: argparse.Namespace) -> Any:
-    """The DataParallelLaunch of ``aserve run``'s DP flags; ConfigError when they clash."""
-    from aserve.envs import read_env
-    from aserve.errors import ConfigError
-    from aserve.launch.supervisor import DEFAULT_DP_RPC_PORT, DataParallelLaunch
-    from aserve.wire.auth import read_secret
-
-    local = args.dp if args.dp_size_local is None else args.dp_size_local
-    if args.dp < 1 or not 1 <= local <= args.dp:
-        raise ConfigError("need --dp >= 1 and 1 <= --dp-size-local <= --dp", param="dp_size_local")
-    if args.api_server_count is not None and args.api_server_count < 1:
-        raise ConfigError("--api-server-count must be >= 1", param="api_server_count")
-    if args.headless:
-        if args.dp_size_local is None or args.dp_start_rank < 1 or args.dp_start_rank + local > args.dp:
-            raise ConfigError("--headless needs --dp-size-local and a --dp-start-rank in [1, dp - dp_size_local]",
-                              param="dp_start_rank")
-    elif args.dp_start_rank != 0:
-        raise ConfigError("--dp-start-rank is for --headless nodes; the front end has ranks 0..dp_size_local-1",
-                          param="dp_start_rank")
-    secret_flag = args.dp_secret if args.dp_secret is not None or args.dp_secret_file else read_env().dp_secret
-    secret = read_secret(secret_flag, args.dp_secret_file)
-    dp = DataParallelLaunch(size=args.dp, size_local=local, start_rank=args.dp_start_rank,
-                            api_server_count=args.api_server_count, address=args.dp_address,
-                            rpc_port=args.dp_rpc_port or DEFAULT_DP_RPC_PORT, secret=secret, headless=args.headless)
-    if dp.multi_node and secret is None:
-        raise ConfigError("a server on several nodes needs a shared secret for its TCP wires: --dp-secret, "
-                          "--dp-secret-file or ASERVE_DP_SECRET", param="dp_secret")
-    return dp
-
-
 def _run(args: argparse.Namespace) -> int:
-    from aserve.api.server import ApiServerConfig
-    from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK
-    from aserve.frontend.engine_args import resolve_model_path
-    from aserve.launch.supervisor import model_name, run_headless, run_server
+    from aserve.launch.startup import prepare_server, prepare_headless
+    from aserve.launch.supervisor import run_headless, run_server
 
-    dp = _data_parallel(args)
-    if args.model is None:
-        print("aserve: serving the embedded default model (random weights: its output is nonsense)", file=sys.stderr)
-    model = resolve_model_path(args.model)
-    engine_kwargs = dict(
-        model=model, tensor_parallel_size=args.tp, data_parallel_size=args.dp, dtype=args.dtype, max_model_len=args.max_model_len,
-        seed=args.seed, kv_cache_memory=args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY,
-        kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-        max_num_seqs=args.max_num_seqs, prefix_cache_reserve=args.prefix_cache_reserve,
-        max_num_batched_tokens=args.max_num_batched_tokens or SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK * args.tp,
-        worker_threads=args.worker_threads, cpu_affinity=args.cpu_affinity, tp_comm=args.tp_comm,
-        heartbeat_timeout=args.heartbeat_timeout,
-    )
-    served_model_name = args.served_model_name or model_name(args.model)
-    if dp.headless:
-        return run_headless(engine_kwargs, served_model_name, dp, args.log_level)
-    loop = _resolve_loop(args.loop)
-    cfg = ApiServerConfig(
-        engine_kwargs=engine_kwargs, served_model_name=served_model_name,
-        api_key=args.api_key, loop=loop, shutdown_timeout=args.shutdown_timeout,
-        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, log_level=args.log_level,
-    )
-    return run_server(cfg, args.host, args.port, dp)
+    engine_args = from_cli(args)
+    if args.headless:
+        fitted, served_model_name, dp = prepare_headless(engine_args, args)
+        return run_headless(fitted, served_model_name, dp, args.log_level)
+    cfg, sock, dp = prepare_server(engine_args, args, loop=_resolve_loop(args.loop))
+    return run_server(cfg, sock, args.host, dp)
+
+
+def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
+    """dest -> its flags, as ``--max-model-len`` or ``--tensor-parallel-size/--tp``."""
+    found: dict[str, str] = {}
+    parsers = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            parsers.append(action.choices[command])
+            for nested in action.choices[command]._actions:
+                if isinstance(nested, argparse._SubParsersAction):
+                    parsers.extend(nested.choices.values())
+    for p in parsers:
+        for action in p._actions:
+            if action.option_strings:
+                found.setdefault(action.dest, "/".join(s for s in action.option_strings if not s.startswith("--no-")))
+    return found
+
+
+def _error_line(exc: AserveError, flags: dict[str, str]) -> str:
+    param = getattr(exc, "param", None)
+    flag = flags.get(param) if param else None
+    return f"aserve: error: {flag}: {exc}" if flag else f"aserve: error: {exc}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
@@ -331,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return _bench(args)
     except AserveError as exc:
-        print(f"aserve: error: {exc}", file=sys.stderr)
+        if getattr(args, "log_level", None) == "DEBUG":
+            traceback.print_exc()
+        print(_error_line(exc, _flags(parser, args.command)), file=sys.stderr)
         return 2
     return 1
 

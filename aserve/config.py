@@ -1,10 +1,12 @@
 """Engine configuration: frozen, split by component, validated once.
 
-``EngineConfig`` is built once (from the CLI or from ``LLM(...)`` keyword arguments)
-and handed to every component, which reads only its own part. Values that depend on the
-model or on measured memory (``max_model_len`` after fitting, the number of KV blocks)
-are filled in by :meth:`EngineConfig.fitted` once they are known, which returns a new
-object rather than mutating this one.
+``EngineConfig`` is built once, from ``EngineArgs`` (``aserve.engine.args``: the CLI's
+flags and the keyword arguments of ``LLM(...)`` and ``AsyncLLM(...)``), and handed to
+every component, which reads only its own part. Values that depend on the model (the
+fitted ``max_model_len``, the number of KV blocks, ``auto``'s device and dtypes) are
+filled in once by ``aserve.engine.fit.fit_config`` through :meth:`EngineConfig.fitted`,
+which returns a new object rather than mutating this one; every process is given the
+fitted config and none fits it again.
 """
 
 from __future__ import annotations
@@ -197,12 +199,33 @@ class ParallelConfig:
         return (dp_rank % max(1, self.local_engines)) * self.tensor_parallel_size + rank
 
 
+#: Seconds without a heartbeat after which an engine core or worker counts as dead.
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+#: Seconds the front end waits for every engine's READY (weights load in this time).
+DEFAULT_STARTUP_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """When whoever watches the engine processes gives up on one: it stopped ticking its
+    heartbeat (``aserve.process.heartbeat``), or it never became ready."""
+
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_timeout", "startup_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}", param=name)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    health: HealthConfig = HealthConfig()
 
     def fitted(self, *, max_model_len: int, num_blocks: int, dtype: str | None = None,
                kv_cache_dtype: str | None = None, device: str | None = None,
@@ -221,5 +244,5 @@ class EngineConfig:
     @property
     def max_model_len(self) -> int:
         if self.model.max_model_len is None:
-            raise RuntimeError("max_model_len is known only after EngineConfig.fitted()")
+            raise RuntimeError("max_model_len is known only after fitting (aserve.engine.fit.fit_config)")
         return self.model.max_model_len

@@ -18,6 +18,10 @@ from aserve.errors import InvalidSamplingParamsError
 # overflow, and users write 0 to mean "greedy".
 GREEDY_EPSILON = 1e-5
 
+#: ``max_tokens`` when a request does not say: OpenAI's and vLLM's default for
+#: completions (a chat request without it runs up to ``max_model_len``).
+DEFAULT_MAX_TOKENS = 16
+
 
 class RequestOutputKind(enum.IntEnum):
     """What each streamed ``RequestOutput`` holds."""
@@ -46,7 +50,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to max_model_len
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-n logprobs per generated token
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token

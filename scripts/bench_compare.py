@@ -148,7 +148,7 @@ PLAN = (
     ("152m", "bfloat16", 32),
 )
 #: Run only when named in --only: on a CPU without native bf16 products (no avx512_bf16
-#: or AMX: session 12's AMD EPYC) float32 is both systems' better 152M configuration.
+#: or AMX, as on an AVX2 AMD EPYC) float32 is both systems' better 152M configuration.
 EXTRA = (("152m", "float32", 32),)
 
 

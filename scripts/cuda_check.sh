@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA path's checks, for a machine with a GPU (issue 3): the GPU tests of
+# The CUDA path's checks, for a machine with a GPU: the GPU tests of
 # tests/test_cuda.py and the device choice of tests/test_devices.py, plus NCCL on its own.
 #
 # Run from the repository root. Where aserve's dependencies are not installed (the lent

@@ -26,7 +26,7 @@ async def main(args: argparse.Namespace) -> None:
         async for _ in llm.generate("Hello", SamplingParams(max_tokens=8)):
             pass
         await anyio.sleep(2)
-        pids = process_tree(llm.engine_process.pid)
+        pids = process_tree(llm.engine_core.engine_process.pid)
         before = sum(cpu_seconds(p) for p in pids)
         start = time.monotonic()
         await anyio.sleep(args.seconds)

@@ -91,8 +91,8 @@ async def test_greedy_matches_transformers(llama_dir, expected, tp):
                 tg.start_soon(run, i)
         assert [r.outputs[0].token_ids for r in results] == expected
         assert all(r.finished and r.outputs[0].finish_reason == "length" for r in results)
-        instance = (llm.instance_id, llm.instance_dir)
-        pids = [llm.engine_process.pid, *tree(llm.engine_process.pid)]
+        instance = (llm.engine_core.instance.id, llm.engine_core.instance.dir)
+        pids = [llm.engine_core.engine_process.pid, *tree(llm.engine_core.engine_process.pid)]
         assert len(pids) == 1 + tp  # the engine core and one worker per rank
         titles = sorted(Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in pids)
         assert titles == ["aserve::engine_core_0", *[f"aserve::worker_tp{r}" for r in range(tp)]]
@@ -102,8 +102,8 @@ async def test_greedy_matches_transformers(llama_dir, expected, tp):
 
 async def test_data_parallel_engines_share_the_load_and_match_transformers(llama_dir, expected):
     async with AsyncLLM(str(llama_dir), data_parallel_size=2, kv_cache_memory=1 << 22) as llm:
-        instance = (llm.instance_id, llm.instance_dir)
-        engines = [p.pid for p in llm.engine_processes]
+        instance = (llm.engine_core.instance.id, llm.engine_core.instance.dir)
+        engines = [p.pid for p in llm.engine_core.engine_processes]
         # This process's aserve children (other tests may have left a reaped-later helper).
         pids = [p for p in tree(os.getpid())
                 if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"aserve::")]
@@ -227,16 +227,15 @@ async def test_abort_and_bad_input(llama_dir):
 @pytest.mark.parametrize("victim", ["worker", "engine_core"])
 async def test_kill_9_fails_requests_and_leaves_nothing(llama_dir, victim):
     async with AsyncLLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22) as llm:
-        engine = llm.engine_process.pid
+        engine = llm.engine_core.engine_process.pid
         workers = tree(engine)
         assert len(workers) == 2
-        instance = (llm.instance_id, llm.instance_dir)
+        instance = (llm.engine_core.instance.id, llm.engine_core.instance.dir)
         seen = 0
         start = None
         with pytest.raises(EngineDeadError):
             with anyio.fail_after(30):
-                async for _ in llm.generate("Hello", SamplingParams(max_tokens=100000, ignore_eos=True,
-                                                                      min_tokens=100000)):
+                async for _ in llm.generate("Hello", SamplingParams(max_tokens=None, ignore_eos=True)):
                     seen += 1
                     if seen == 2:
                         os.kill(workers[1] if victim == "worker" else engine, signal.SIGKILL)
@@ -261,7 +260,7 @@ async def test_parent_sigkill_leaves_no_process(llama_dir, tmp_path):
 
         async def main():
             async with AsyncLLM({str(llama_dir)!r}, tensor_parallel_size=2, kv_cache_memory=1 << 22) as llm:
-                print(llm.instance_id, llm.instance_dir, llm.engine_process.pid, flush=True)
+                print(llm.engine_core.instance.id, llm.engine_core.instance.dir, llm.engine_core.engine_process.pid, flush=True)
                 await anyio.sleep(3600)
 
         if __name__ == "__main__":
@@ -290,9 +289,9 @@ async def test_parent_sigkill_leaves_no_process(llama_dir, tmp_path):
 async def test_a_stopped_worker_is_dead_after_the_heartbeat_timeout(llama_dir):
     async with AsyncLLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22,
                         heartbeat_timeout=8.0) as llm:
-        engine = llm.engine_process.pid
+        engine = llm.engine_core.engine_process.pid
         workers = tree(engine)
-        instance = (llm.instance_id, llm.instance_dir)
+        instance = (llm.engine_core.instance.id, llm.engine_core.instance.dir)
         await llm.check_health()
         os.kill(workers[0], signal.SIGSTOP)  # alive, but hung: no exit code to notice
         start = time.monotonic()

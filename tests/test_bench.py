@@ -16,7 +16,7 @@ import pytest
 from aserve.bench.datasets import random_requests, sharegpt_requests
 from aserve.bench.serve import LoadConfig, RequestResult, arrival_delays, parse_goodput, summarize
 from aserve.errors import ConfigError
-from aserve.tokenizer import Tokenizer
+from aserve.frontend.tokenizer import Tokenizer
 from tests.e2e.server import Server
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from aserve.engine.coordinator_logic import CoordinatorLogic
-from aserve.frontend.load_balancer import EngineLoad
+from aserve.engine.coordinator_logic import EngineLoad
 
 
 def test_publishes_at_most_every_100_ms_while_counts_change():

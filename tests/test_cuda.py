@@ -118,15 +118,14 @@ async def test_async_llm_serves_from_a_cuda_worker_process_and_dies_as_one_unit(
             for i in range(9):
                 tg.start_soon(run, i)
         assert [r.outputs[0].token_ids for r in results] == [expected[i % 3] for i in range(9)]
-        engine = llm.engine_process.pid
+        engine = llm.engine_core.engine_process.pid
         workers = tree(engine)
         assert len(workers) == 1
-        instance = (llm.instance_id, llm.instance_dir)
+        instance = (llm.engine_core.instance.id, llm.engine_core.instance.dir)
         seen = 0
         with pytest.raises(EngineDeadError):
             with anyio.fail_after(30):
-                async for _ in llm.generate("Hello", SamplingParams(max_tokens=100000, ignore_eos=True,
-                                                                      min_tokens=100000)):
+                async for _ in llm.generate("Hello", SamplingParams(max_tokens=None, ignore_eos=True)):
                     seen += 1
                     if seen == 2:
                         os.kill(workers[0], signal.SIGKILL)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from aserve.detokenizer import IncrementalDetokenizer
+from aserve.frontend.detokenizer import IncrementalDetokenizer
 from aserve.frontend.output_processor import OutputProcessor, RequestState
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 from aserve.wire.messages import EngineCoreOutput, FinishReason
@@ -14,7 +14,7 @@ TEXT = "héllo wörld: 日本語 and 😀 emoji, naïve café"
 
 @pytest.fixture(scope="module")
 def tokenizer(llama_dir):
-    from aserve.tokenizer import Tokenizer
+    from aserve.frontend.tokenizer import Tokenizer
 
     return Tokenizer(llama_dir)
 

@@ -12,10 +12,10 @@ import pytest
 from aserve.cli import build_parser
 from aserve.config import ModelConfig
 from aserve.devices import cuda_device_count, resolve_device, resolve_tp_comm, worker_device_index
-from aserve.engine import engine_core
-from aserve.engine.engine_core import fit_config
+from aserve.engine import fit as engine_fit
+from aserve.engine.fit import fit_config
 from aserve.errors import ConfigError
-from aserve.frontend.engine_args import make_engine_config
+from aserve.engine.args import EngineArgs
 
 
 def test_auto_takes_cuda_only_when_a_gpu_is_visible():
@@ -58,8 +58,8 @@ def test_the_driver_count_agrees_with_torch_and_honours_cuda_visible_devices():
 
 
 def _fit(monkeypatch, gpus: int, model_dir, **kwargs):
-    monkeypatch.setattr(engine_core, "cuda_device_count", lambda: gpus)
-    return fit_config(make_engine_config(str(model_dir), kv_cache_memory=1 << 22, **kwargs)).config
+    monkeypatch.setattr(engine_fit, "cuda_device_count", lambda: gpus)
+    return fit_config(EngineArgs(str(model_dir), kv_cache_memory=1 << 22, **kwargs).create_engine_config()).config
 
 
 def test_fitting_resolves_the_device_communicator_and_dtype(monkeypatch, llama_dir, bf16_llama_dir):
@@ -78,7 +78,7 @@ def test_fitting_resolves_the_device_communicator_and_dtype(monkeypatch, llama_d
     assert info.value.param == "tensor_parallel_size"
     assert _fit(monkeypatch, 1, llama_dir, tensor_parallel_size=2, tp_comm="gloo").parallel.tp_comm == "gloo"
     # A bf16 checkpoint stays bf16 on a GPU even where this CPU would compute in float32.
-    monkeypatch.setattr(engine_core, "cpu_half_dtypes", lambda: frozenset())
+    monkeypatch.setattr(engine_fit, "cpu_half_dtypes", lambda: frozenset())
     assert _fit(monkeypatch, 1, bf16_llama_dir).model.dtype == "bfloat16"
     assert _fit(monkeypatch, 0, bf16_llama_dir).model.dtype == "float32"
 

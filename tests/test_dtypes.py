@@ -7,9 +7,9 @@ import logging
 
 
 from aserve import LLM, SamplingParams
-from aserve.engine import engine_core
-from aserve.engine.engine_core import fit_config
-from aserve.frontend.engine_args import make_engine_config
+from aserve.engine import fit as engine_fit
+from aserve.engine.fit import fit_config
+from aserve.engine.args import EngineArgs
 from aserve.model.dtypes import cpu_half_dtypes, resolve_dtype_name
 from aserve.model.hf_config import load_arch_config
 
@@ -33,17 +33,17 @@ def test_auto_resolves_by_what_the_cpu_multiplies_natively(bf16_llama_dir):
 
 
 def test_auto_on_a_cpu_without_native_bf16_serves_in_float32(bf16_llama_dir, llama_dir, monkeypatch, caplog):
-    monkeypatch.setattr(engine_core, "cpu_half_dtypes", lambda: frozenset())
+    monkeypatch.setattr(engine_fit, "cpu_half_dtypes", lambda: frozenset())
     with caplog.at_level(logging.WARNING, logger="aserve.engine"):
-        fitted = fit_config(make_engine_config(str(bf16_llama_dir), kv_cache_memory=1 << 22))
+        fitted = fit_config(EngineArgs(str(bf16_llama_dir), kv_cache_memory=1 << 22).create_engine_config())
     assert fitted.config.model.dtype == "float32"
     assert "no native bfloat16 matrix products: computing in float32" in caplog.text
-    assert fit_config(make_engine_config(str(bf16_llama_dir), dtype="bfloat16",
-                                         kv_cache_memory=1 << 22)).config.model.dtype == "bfloat16"
+    assert fit_config(EngineArgs(str(bf16_llama_dir), dtype="bfloat16",
+                                         kv_cache_memory=1 << 22).create_engine_config()).config.model.dtype == "bfloat16"
     # Served: the same greedy tokens as the float32 checkpoint (the weights are float32).
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = LLM(str(bf16_llama_dir), kv_cache_memory=1 << 22).generate(["Hello world"], greedy)
     want = LLM(str(llama_dir), kv_cache_memory=1 << 22).generate(["Hello world"], greedy)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
-    monkeypatch.setattr(engine_core, "cpu_half_dtypes", lambda: frozenset({"bfloat16"}))
-    assert fit_config(make_engine_config(str(bf16_llama_dir), kv_cache_memory=1 << 22)).config.model.dtype == "bfloat16"
+    monkeypatch.setattr(engine_fit, "cpu_half_dtypes", lambda: frozenset({"bfloat16"}))
+    assert fit_config(EngineArgs(str(bf16_llama_dir), kv_cache_memory=1 << 22).create_engine_config()).config.model.dtype == "bfloat16"

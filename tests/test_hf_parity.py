@@ -115,7 +115,7 @@ def test_tensor_parallel_2_matches_transformers(arch, model_dirs, references):
     prompts, expected, _ = references[arch]
     with LLM(str(model_dirs[arch]), kv_cache_memory=1 << 24, tensor_parallel_size=2, max_num_batched_tokens=32) as llm:
         outputs = llm.generate(prompts, GREEDY)
-        instance_id, instance_dir = llm._instance
+        instance_id, instance_dir = llm._instance.id, llm._instance.dir
         assert [o.outputs[0].token_ids for o in outputs] == expected
     import os
     from pathlib import Path

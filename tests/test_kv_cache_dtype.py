@@ -8,28 +8,28 @@ import torch
 
 from aserve import LLM
 from aserve.cli import build_parser
-from aserve.engine.engine_core import fit_config
+from aserve.engine.fit import fit_config
 from aserve.errors import ConfigError
-from aserve.frontend.engine_args import make_engine_config
+from aserve.engine.args import EngineArgs
 from tests.hf_reference import GREEDY, PROMPTS, hf_logprobs, load_hf
 
 
 
 def test_bad_kv_cache_dtype_names_its_field(llama_dir):
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of") as bad:
-        make_engine_config(str(llama_dir), kv_cache_dtype="int8")
+        EngineArgs(str(llama_dir), kv_cache_dtype="int8").create_engine_config()
     assert bad.value.param == "kv_cache_dtype"
     with pytest.raises(ConfigError, match="no fp8 KV cache on CPU"):
-        make_engine_config(str(llama_dir), kv_cache_dtype="fp8_e4m3")
+        EngineArgs(str(llama_dir), kv_cache_dtype="fp8_e4m3").create_engine_config()
     assert build_parser().parse_args(["run", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--kv-cache-dtype", "fp8"])
 
 
 def test_a_bf16_cache_holds_twice_the_tokens_of_a_float32_one(llama_dir):
-    auto = fit_config(make_engine_config(str(llama_dir), dtype="float32", kv_cache_memory=1 << 22)).config
-    half = fit_config(make_engine_config(str(llama_dir), dtype="float32", kv_cache_dtype="bfloat16",
-                                         kv_cache_memory=1 << 22)).config
+    auto = fit_config(EngineArgs(str(llama_dir), dtype="float32", kv_cache_memory=1 << 22).create_engine_config()).config
+    half = fit_config(EngineArgs(str(llama_dir), dtype="float32", kv_cache_dtype="bfloat16",
+                                         kv_cache_memory=1 << 22).create_engine_config()).config
     assert auto.cache.kv_cache_dtype == "float32"  # "auto": the model's, resolved once
     assert (half.model.dtype, half.cache.kv_cache_dtype) == ("float32", "bfloat16")
     assert half.cache.num_blocks == 2 * auto.cache.num_blocks

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from aserve.errors import InvalidInputError
-from aserve.frontend.load_balancer import EngineLoad, LoadBalancer
+from aserve.engine.coordinator_logic import EngineLoad
+from aserve.frontend.load_balancer import LoadBalancer
 
 
 def test_two_api_servers_two_idle_engines_split_their_first_requests():

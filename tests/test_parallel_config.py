@@ -31,11 +31,11 @@ def test_bad_values_name_their_field(kwargs, param):
 
 
 def test_step_budget_defaults_scale_with_tensor_parallelism(llama_dir):
-    from aserve.frontend.engine_args import make_engine_config
+    from aserve.engine.args import EngineArgs
 
-    assert make_engine_config(str(llama_dir)).scheduler.max_num_batched_tokens == 4096
-    assert make_engine_config(str(llama_dir), tensor_parallel_size=2).scheduler.max_num_batched_tokens == 8192
-    assert make_engine_config(str(llama_dir), max_num_batched_tokens=100).scheduler.max_num_batched_tokens == 100
+    assert EngineArgs(str(llama_dir)).create_engine_config().scheduler.max_num_batched_tokens == 4096
+    assert EngineArgs(str(llama_dir), tensor_parallel_size=2).create_engine_config().scheduler.max_num_batched_tokens == 8192
+    assert EngineArgs(str(llama_dir), max_num_batched_tokens=100).create_engine_config().scheduler.max_num_batched_tokens == 100
 
 
 def test_cpu_plan_pins_workers_only_when_cores_are_left_over():

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = r"""
 import json, os, threading
-from aserve.launch.process_utils import request_short_slice
+from aserve.process.utils import request_short_slice
 from tests.proc_threads import thread_slices as slices
 
 def own_nice():

@@ -5,7 +5,8 @@ from __future__ import annotations
 from aserve.config import SchedulerConfig
 from aserve.engine.kv_cache_manager import KVCacheManager
 from aserve.engine.request import Request
-from aserve.engine.scheduler import RunnerOutput, Scheduler
+from aserve.engine.scheduler import Scheduler
+from aserve.wire.worker_messages import RunnerOutput
 from aserve.sampling_params import SamplingParams
 from aserve.wire.messages import EngineCoreRequest, FinishReason
 

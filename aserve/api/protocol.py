@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from aserve.errors import InvalidInputError
-from aserve.sampling_params import RequestOutputKind, SamplingParams
+from aserve.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams
 
 
 class RequestError(InvalidInputError):
@@ -49,8 +49,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int = 0
     data_parallel_rank: int | None = None  # pin an engine (also the X-data-parallel-rank header)
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams; InvalidSamplingParamsError names a bad field."""
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams (``max_tokens`` None: up to ``max_model_len``);
+        InvalidSamplingParamsError names a bad field."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingParams(
             n=self.n,
@@ -64,7 +65,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -80,7 +81,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]: checked in prompts()
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # null too: OpenAI's completions default
     logprobs: int | None = None
     echo: bool = False
 

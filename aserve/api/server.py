@@ -1,5 +1,5 @@
-"""The API-server process: an ``AsyncLLM``, the Starlette app, and Hypercorn on the
-listening socket the supervisor bound.
+"""The API-server process: an ``AsyncLLM`` attached to the supervisor's engines, the
+Starlette app, and Hypercorn on the listening socket the supervisor bound.
 
 Shutdown (SIGTERM from the supervisor; SIGINT is ignored, see ``interrupt_on_termination``): ``/ready`` turns 503 and new requests get 503 at once;
 requests in flight may finish until ``shutdown_timeout``; then Hypercorn stops, which
@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 
 from aserve.api.app import ServerState, build_app
-from aserve.launch.process_utils import exit_with_parent, ignore_termination, pin_to_cpus, set_process_title
+from aserve.process.utils import exit_with_parent, ignore_termination, pin_to_cpus, set_process_title
 
 logger = logging.getLogger("aserve.api_server")
 
@@ -28,7 +28,6 @@ DEAD_ENGINE_GRACE = 2.0  # seconds a server with a dead engine keeps answering 5
 
 @dataclass(frozen=True)
 class ApiServerConfig:
-    engine_kwargs: dict[str, Any]
     served_model_name: str
     api_key: str | None
     loop: str  # asyncio | uvloop | trio
@@ -37,7 +36,8 @@ class ApiServerConfig:
     ssl_keyfile: str | None = None
     index: int = 0
     log_level: str = "INFO"
-    attach: Any = None  # EngineAttachment: the engine core the supervisor started
+    fitted: Any = None  # FittedConfig: the supervisor fitted it, once, for every process
+    attach: Any = None  # EngineAttachment: the engine cores the supervisor started
 
 
 class _InFlight:
@@ -80,7 +80,7 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
 
     from aserve.frontend.async_llm import AsyncLLM
 
-    engine = AsyncLLM(**cfg.engine_kwargs, attach=cfg.attach)
+    engine = AsyncLLM.attached(cfg.fitted, cfg.attach)
     pin_to_cpus(engine.config.parallel.frontend_cpus(), all_threads=True)  # off the workers' cores
     state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
     app = _InFlight(build_app(state), cfg.index)

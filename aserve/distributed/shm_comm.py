@@ -1,5 +1,5 @@
 """All-reduce and all-gather between the tensor-parallel ranks of one node, through
-shared memory (the CPU data path of DESIGN §6; decision in ``docs/parallelism.md``).
+shared memory (the CPU data path of docs/design.md §6; decision in ``docs/parallelism.md``).
 
 Why not gloo: on this machine a gloo all-reduce of one 256-wide bf16 row between two
 processes takes ~2 ms over loopback TCP, and a TP = 2 step of a 4-layer model runs nine

@@ -1,4 +1,4 @@
-"""The data-parallel coordinator process (DESIGN §1, §7): engines' load figures and waves.
+"""The data-parallel coordinator process (docs/design.md §1, §7): engines' load figures and waves.
 
 ::
 
@@ -29,9 +29,9 @@ import zmq
 
 from aserve.engine.coordinator_logic import CoordinatorLogic, Publication
 from aserve.envs import read_env
-from aserve.launch.process_utils import exit_with_parent, ignore_termination, interrupt_on_termination, set_process_title
-from aserve.wire.auth import secure_server
+from aserve.process.utils import exit_with_parent, ignore_termination, interrupt_on_termination, set_process_title
 from aserve.wire.codec import DPLoads, RequestType, StartDPWave, WireError, decode_outputs
+from aserve.wire.sockets import endpoint, open_socket
 from aserve.wire.zmq_anyio import AsyncSocket
 
 logger = logging.getLogger("aserve.coordinator")
@@ -77,23 +77,16 @@ async def serve_coordinator(cfg: CoordinatorConfig, *, clock=time.monotonic) -> 
     sockets: list[AsyncSocket] = []
 
     def bind(kind: int, address: str) -> AsyncSocket:
-        sock = ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if address.startswith("tcp://"):
-            secure_server(sock, cfg.secret)
-        if kind == zmq.XPUB:
-            sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only the first per topic
-        sock.bind(address)
-        wrapped = AsyncSocket(sock)
-        sockets.append(wrapped)
-        return wrapped
+        sock = open_socket(ctx, kind, address, bind=True, secret=cfg.secret)
+        sockets.append(sock)
+        return sock
 
     try:
         router = bind(zmq.ROUTER, cfg.input_address)
         pull = bind(zmq.PULL, cfg.stats_address)
         xpub = bind(zmq.XPUB, cfg.publish_address)
         if cfg.report is not None:
-            cfg.report.send([s.socket.last_endpoint.decode() for s in (router, pull, xpub)])
+            cfg.report.send([endpoint(s) for s in (router, pull, xpub)])
             cfg.report.close()
         logic = CoordinatorLogic(cfg.num_engines)
         changed = anyio.Event()

@@ -1,6 +1,6 @@
 """The data-parallel coordinator's logic: engines' load figures, publish timing, DP waves.
 
-No I/O and no clock of its own: the coordinator process (issue 5) feeds it messages and
+No I/O and no clock of its own: the coordinator process (``aserve.engine.coordinator``) feeds it messages and
 ``now`` and sends what it returns.
 
 Publishing: every engine reports (waiting, running, KV usage) when they change; the
@@ -17,9 +17,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aserve.frontend.load_balancer import EngineLoad
 
 PUBLISH_INTERVAL = 0.1
+
+
+@dataclass
+class EngineLoad:
+    """One engine's figures as the load balancers see them (``aserve.frontend.load_balancer``)."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_cache_usage: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The engine-core process: an ``EngineCore`` wired to ZeroMQ (DESIGN §2 and §4).
+"""The engine-core process: an ``EngineCore`` wired to ZeroMQ (docs/design.md, sections 2 and 4).
 
 ::
 
@@ -10,8 +10,10 @@
     API server PULL ◄── PUSH ── output task ◄── output stream ◄──┘
 
 The input and output tasks run in the process's anyio event loop; the busy loop runs
-in a worker thread because a model step blocks. Only the busy loop touches the
-``EngineCore``. Every exit path sends ``ENGINE_CORE_DEAD`` to every API server as the
+in a worker thread because a model step blocks. Only the busy loop changes the
+``EngineCore``'s state; the input task calls its ``prepare_request``, which reads only
+the fitted config (the length limit, the block size) to validate a request and hash its
+prompt's blocks, so that work overlaps the step in flight. Every exit path sends ``ENGINE_CORE_DEAD`` to every API server as the
 engine's last message (so their requests fail at once, even across machines), closes
 the sockets and shuts the executor down (which removes its shared memory).
 
@@ -39,12 +41,13 @@ import msgspec
 import zmq
 
 from aserve.config import EngineConfig
-from aserve.engine.engine_core import EngineCore, fit_config
+from aserve.engine.engine_core import EngineCore
+from aserve.engine.fit import FittedConfig
 from aserve.envs import read_env
 from aserve.errors import AserveError, EngineDeadError
-from aserve.launch.heartbeat import Heartbeat, HeartbeatTable, engine_slot
-from aserve.launch.process_utils import (
-    cleanup_instance,
+from aserve.process.heartbeat import Heartbeat, HeartbeatTable, engine_slot
+from aserve.process.instance import Instance
+from aserve.process.utils import (
     exit_with_parent,
     ignore_termination,
     interrupt_on_termination,
@@ -52,7 +55,6 @@ from aserve.launch.process_utils import (
     request_short_slice,
     set_process_title,
 )
-from aserve.wire.auth import secure_client
 from aserve.wire.codec import (
     ENGINE_CORE_DEAD,
     EngineReady,
@@ -68,12 +70,13 @@ from aserve.wire.messages import (
     SchedulerStats,
     UtilityOutput,
 )
+from aserve.wire.sockets import open_socket
 from aserve.wire.zmq_anyio import AsyncSocket
 
 logger = logging.getLogger("aserve.engine_core")
 
 READY_FRAME = b"READY"
-#: The client index of the DP coordinator (DESIGN §2: load figures go to client -1).
+#: The client index of the DP coordinator (load figures go to client -1).
 COORDINATOR = -1
 
 #: Engine-core methods a UTILITY call may name. Nothing else is callable from the wire.
@@ -82,13 +85,12 @@ UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "ping"})
 
 @dataclass(frozen=True)
 class EngineCoreProcConfig:
-    engine: EngineConfig
+    fitted: FittedConfig  # fitted by whoever started the engine; never fitted again here
     engine_index: int
     input_addresses: tuple[str, ...]  # each API server's ROUTER
     output_addresses: tuple[str, ...]  # each API server's PULL
-    instance_dir: str  # this server instance's private directory (IPC files)
-    instance_id: str  # prefix of every shared-memory segment of this instance
-    heartbeat_name: str | None = None  # the instance's heartbeat segment (see aserve.launch.heartbeat)
+    instance: Instance  # this server instance's names (shared memory, IPC files)
+    heartbeat_name: str | None = None  # the instance's heartbeat segment (see aserve.process.heartbeat)
     coordinator_input: str | None = None  # the DP coordinator's ROUTER (START_DP_WAVE); None: no coordinator
     coordinator_stats: str | None = None  # the DP coordinator's PULL: load figures go there (client index -1)
     secret: bytes | None = None  # CURVE for tcp:// addresses (see aserve.wire.auth)
@@ -105,7 +107,7 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     """Process entry point (a ``spawn`` target)."""
     parent = os.getppid()
     set_process_title(f"aserve::engine_core_{cfg.engine_index}")
-    pin_to_cpus(cfg.engine.parallel.frontend_cpus(), all_threads=True)  # off the workers' cores
+    pin_to_cpus(cfg.fitted.config.parallel.frontend_cpus(), all_threads=True)  # off the workers' cores
     interrupt_on_termination()  # until the busy loop exists: interrupts start-up, cleanly
     exit_with_parent()
     logging.basicConfig(level=read_env().log_level,
@@ -113,7 +115,7 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     code = 0
     heartbeat = table = None
     if cfg.heartbeat_name is not None:
-        tp = cfg.engine.parallel.tensor_parallel_size
+        tp = cfg.fitted.config.parallel.tensor_parallel_size
         table = HeartbeatTable(cfg.heartbeat_name, engine_slot(cfg.engine_index, tp) + 1 + tp, create=False)
         heartbeat = Heartbeat(table, engine_slot(cfg.engine_index, tp)).__enter__()
     try:
@@ -129,17 +131,17 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
             heartbeat.__exit__(None, None, None)
             table.close()
         if os.getppid() != parent:  # orphaned: nobody else will remove this instance's files
-            cleanup_instance(cfg.instance_id, cfg.instance_dir)
+            cfg.instance.cleanup()
     sys.exit(code)
 
 
 def _make_executor_factory(cfg: EngineCoreProcConfig) -> Callable[[EngineConfig], Any]:
-    # The model never runs in the engine core's process (DESIGN §1), at any TP size, so
-    # scheduling overlaps the forward pass.
+    # The model never runs in the engine core's process, at any TP size, so scheduling
+    # overlaps the forward pass.
     from aserve.executor.multiproc import MultiprocExecutor
 
-    return lambda config: MultiprocExecutor(config, instance_dir=cfg.instance_dir, instance_id=cfg.instance_id,
-                                            dp_rank=cfg.engine_index, heartbeat_name=cfg.heartbeat_name)
+    return lambda config: MultiprocExecutor(config, instance=cfg.instance, dp_rank=cfg.engine_index,
+                                            heartbeat_name=cfg.heartbeat_name)
 
 
 class _Shutdown:
@@ -234,8 +236,7 @@ class _BusyLoop:
 
 
 async def _serve(cfg: EngineCoreProcConfig) -> None:
-    fitted = fit_config(cfg.engine)
-    core = EngineCore(fitted, _make_executor_factory(cfg))
+    core = EngineCore(cfg.fitted, _make_executor_factory(cfg))
     ctx = zmq.Context()
     dealers: list[AsyncSocket] = []
     pushes: list[AsyncSocket] = []
@@ -250,14 +251,8 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
         identity = cfg.engine_index.to_bytes(2, "little")
 
         def connect(kind: int, address: str) -> AsyncSocket:
-            sock = ctx.socket(kind)
-            sock.setsockopt(zmq.LINGER, 0)
-            if kind == zmq.DEALER:
-                sock.setsockopt(zmq.ROUTING_ID, identity)
-            if address.startswith("tcp://"):
-                secure_client(sock, cfg.secret)
-            sock.connect(address)
-            return AsyncSocket(sock)
+            return open_socket(ctx, kind, address, bind=False, secret=cfg.secret,
+                               identity=identity if kind == zmq.DEALER else None)
 
         dealers = [connect(zmq.DEALER, address) for address in cfg.input_addresses]
         pushes = [connect(zmq.PUSH, address) for address in cfg.output_addresses]

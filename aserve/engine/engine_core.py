@@ -7,105 +7,15 @@ wraps it with its wires.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 
 from aserve.config import EngineConfig
-from aserve.devices import cuda_device_count, resolve_device, resolve_tp_comm
+from aserve.engine.fit import FittedConfig
 from aserve.engine.kv_cache_manager import KVCacheManager
-from aserve.engine.request import Request
+from aserve.engine.request import Request, check_fits
 from aserve.engine.scheduler import Scheduler
-from aserve.errors import ConfigError, PromptTooLongError
-from aserve.model.hf_config import ArchConfig, load_arch_config
-from aserve.model.dtypes import cpu_half_dtypes, resolve_dtype_name
-from aserve.model.registry import check_architecture
 from aserve.wire.messages import EngineCoreOutput, EngineCoreRequest
-from aserve.worker.kv_spec import bytes_per_block
-
-logger = logging.getLogger("aserve.engine")
-
-
-@dataclasses.dataclass(frozen=True)
-class FittedConfig:
-    config: EngineConfig  # with max_model_len and num_blocks filled in
-    arch: ArchConfig
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        assert self.config.cache.num_blocks is not None
-        return (self.config.cache.num_blocks - 1) * self.config.cache.block_size
-
-
-def fit_config(config: EngineConfig) -> FittedConfig:
-    """Size the KV pool from its memory budget and fit ``max_model_len`` to it.
-
-    Raises ``ConfigError`` when the budget cannot hold even one sequence of the
-    requested ``max_model_len``, and the model-loading errors for a bad directory.
-    """
-    model_dir = Path(config.model.model)
-    if not model_dir.is_dir():
-        from aserve.errors import ModelFileNotFoundError
-
-        raise ModelFileNotFoundError(f"model directory {model_dir} does not exist")
-    arch = load_arch_config(model_dir)
-    check_architecture(arch.architecture)  # fail early, naming the supported ones
-    # Resolved once, here, and passed on in the fitted config: the workers (and, with
-    # --headless nodes, every node) then compute on the device, and in the dtype, the KV
-    # cache was sized for.
-    gpus = cuda_device_count() if config.model.device != "cpu" else 0
-    device = resolve_device(config.model.device, gpus)
-    tp_comm = resolve_tp_comm(config.parallel.tp_comm, device)
-    tp_size = config.parallel.tensor_parallel_size
-    if tp_comm == "nccl" and tp_size > gpus:
-        raise ConfigError(f"tensor_parallel_size={tp_size} over NCCL needs a GPU per rank, and {gpus} are visible "
-                          "(NCCL refuses two ranks on one GPU; tp_comm='gloo' lets them share)",
-                          param="tensor_parallel_size")
-    workers = config.parallel.local_world_size
-    if device == "cuda" and workers > gpus:
-        logger.warning("%d workers on %d GPU(s): they share them (aserve/devices.py), each with its own KV "
-                       "pool of kv_cache_memory bytes", workers, gpus)
-    # A GPU multiplies every dtype natively; only a CPU may lack half precision.
-    dtype = resolve_dtype_name(config.model.dtype, arch, cpu_half_dtypes() if device == "cpu" else None)
-    checkpoint = resolve_dtype_name("auto", arch)  # no CPU given: the checkpoint's own
-    if config.model.dtype == "auto" and dtype != checkpoint:
-        logger.warning("the checkpoint is %s but this CPU has no native %s matrix products: computing in float32 "
-                       "(--dtype %s keeps it)", checkpoint, checkpoint, checkpoint)
-    kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype
-    block_size = config.cache.block_size
-    per_block = bytes_per_block(arch, tp_size=config.parallel.tensor_parallel_size, dtype=kv_dtype, block_size=block_size)
-    num_blocks = config.cache.kv_cache_memory // per_block
-    if num_blocks < 2:
-        raise ConfigError(
-            f"kv_cache_memory={config.cache.kv_cache_memory} bytes is too small: one block of {block_size} tokens "
-            f"takes {per_block} bytes and at least 2 are needed",
-            param="kv_cache_memory",
-        )
-    capacity = (num_blocks - 1) * block_size
-    limit = arch.max_position_embeddings
-    window = arch.raw.get("sliding_window")
-    if isinstance(window, int) and window > 0 and arch.raw.get("use_sliding_window", True):
-        limit = min(limit, window)  # aserve attends to the whole sequence: stay inside the window
-    requested = config.model.max_model_len
-    if requested is None:
-        max_model_len = min(limit, capacity)
-    else:
-        if requested > limit:
-            raise ConfigError(
-                f"max_model_len={requested} exceeds the model's limit of {limit} positions", param="max_model_len"
-            )
-        if requested > capacity:
-            raise ConfigError(
-                f"max_model_len={requested} needs {-(-requested // block_size) * per_block + per_block} bytes of KV cache "
-                f"but kv_cache_memory={config.cache.kv_cache_memory} holds only {capacity} tokens; raise "
-                "kv_cache_memory or lower max_model_len",
-                param="max_model_len",
-            )
-        max_model_len = requested
-    return FittedConfig(config.fitted(max_model_len=max_model_len, num_blocks=num_blocks, dtype=dtype,
-                                      kv_cache_dtype=kv_dtype, device=device, tp_comm=tp_comm), arch)
 
 
 class EngineCore:
@@ -138,13 +48,11 @@ class EngineCore:
         """Validate and build the scheduler's request (its prompt block hashes too).
 
         Separate from :meth:`add_prepared` so the engine-core process can do this work in
-        its input task, overlapped with the model step in progress.
+        its input task, overlapped with the model step in progress: it reads only the
+        fitted config, never the scheduler's state. Raises ``PromptTooLongError`` when
+        the prompt and its ``max_tokens`` do not fit ``max_model_len``.
         """
-        if len(request.prompt_token_ids) >= self.config.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(request.prompt_token_ids)} tokens; max_model_len is {self.config.max_model_len}",
-                param="prompt",
-            )
+        check_fits(len(request.prompt_token_ids), request.sampling_params.max_tokens, self.config.max_model_len)
         prepared = Request(request, max_model_len=self.config.max_model_len)
         prepared.update_block_hashes(self.config.cache.block_size)
         return prepared

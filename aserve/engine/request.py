@@ -14,8 +14,25 @@ import hashlib
 import time
 from array import array
 
+from aserve.errors import PromptTooLongError
 from aserve.sampling_params import SamplingParams
 from aserve.wire.messages import EngineCoreRequest, FinishReason
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The rule every path applies (``InputProcessor`` in the front end, the engine core
+    for requests that reach it directly): the prompt must leave room for one token, and
+    the prompt plus ``max_tokens`` (when set) must fit ``max_model_len``. Raises
+    ``PromptTooLongError`` naming ``prompt`` or ``max_tokens``."""
+    if num_prompt_tokens >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}, which must leave room "
+            "for at least one generated token; shorten the prompt or raise max_model_len", param="prompt")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.", param="max_tokens")
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,8 +70,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # set when first scheduled
-        room = max_model_len - self.num_prompt_tokens
-        self.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        # None: up to max_model_len. A request whose max_tokens cannot fit is refused before
+        # it gets here (``EngineCore.prepare_request``), never cut short in silence.
+        self.max_tokens = max_model_len - self.num_prompt_tokens if sp.max_tokens is None else sp.max_tokens
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -32,22 +32,12 @@ import bisect
 import itertools
 import time
 
-import msgspec
 
 from aserve.config import SchedulerConfig
 from aserve.engine.kv_cache_manager import KVCacheManager
 from aserve.engine.request import Request, RequestStatus
-from aserve.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from aserve.wire.messages import EngineCoreOutput, FinishReason, TokenLogprobs
-
-
-class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The model runner's answer to one ``SchedulerOutput`` (crosses wire 2)."""
-
-    req_ids: list[str]  # requests that sampled a token this step
-    sampled_token_ids: list[int]
-    logprobs: dict[str, TokenLogprobs]
-    prompt_logprobs: dict[str, list[TokenLogprobs]]
+from aserve.wire.messages import EngineCoreOutput, FinishReason
+from aserve.wire.worker_messages import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
 
 class Scheduler:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from aserve.config import EngineConfig
 from aserve.distributed.tp_group import TPGroup
-from aserve.engine.scheduler import RunnerOutput
-from aserve.engine.scheduler_output import SchedulerOutput
+from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
 from aserve.worker.worker import Worker
 
 
@@ -16,6 +15,10 @@ class InProcessExecutor:
     max_inflight = 1
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.worker_threads is not None:
+            import torch
+
+            torch.set_num_threads(config.parallel.worker_threads)  # the caller asked: this process is the worker
         self.worker = Worker(config, TPGroup.single())
         self._pending: SchedulerOutput | None = None
 

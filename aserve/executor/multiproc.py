@@ -2,9 +2,10 @@
 
 The engine core writes each call once to a broadcast ring that every worker reads;
 the call's output rank (rank 0) replies on its own response ring. A wait for a reply
-looks at the workers every second: a worker that died fails the executor with
-``EngineDeadError`` within about a second, and a step that exceeds
-``execute_model_timeout`` (300 s) fails it too.
+looks at the workers every second: a worker that died (or, given the instance's
+heartbeat segment, stopped ticking for ``heartbeat_timeout``) fails the executor with
+``EngineDeadError``, and a step that exceeds ``execute_model_timeout`` (300 s) fails it
+too.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import zmq
 
 from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, RingClosedError, ShmRingReader, ShmRingWriter
-from aserve.engine.scheduler import RunnerOutput
-from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.errors import EngineDeadError
-from aserve.executor.messages import REPLY_DECODER, WorkerCall
-from aserve.launch.process_utils import skip_resource_tracker
+from aserve.process.heartbeat import HeartbeatMonitor, HeartbeatTable, worker_slot
+from aserve.process.instance import Instance
+from aserve.process.stop import stop_processes
+from aserve.process.utils import skip_resource_tracker
+from aserve.wire.worker_messages import REPLY_DECODER, RunnerOutput, SchedulerOutput, WorkerCall
 from aserve.worker.worker_process import WorkerProcConfig, run_worker
 
 logger = logging.getLogger("aserve.executor")
@@ -38,46 +40,57 @@ class MultiprocExecutor:
 
     max_inflight = 2
 
-    def __init__(self, config: EngineConfig, *, instance_dir: str, instance_id: str, dp_rank: int = 0, dp_size: int = 1,
-                 startup_timeout: float = 600.0, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-                 heartbeat_name: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, instance: Instance, dp_rank: int = 0, dp_size: int = 1,
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, heartbeat_name: str | None = None) -> None:
+        """``config`` is fitted. Waits up to ``config.health.startup_timeout`` for every
+        worker's READY (its model loaded)."""
         self.tp_size = config.parallel.tensor_parallel_size
         self._ctx = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
-        prefix = f"{instance_id}_dp{dp_rank}"
+        prefix = instance.segment(f"dp{dp_rank}")
         self._broadcast = ShmRingWriter(f"{prefix}_bcast", self.tp_size,
-                                        side_channel_address=f"ipc://{instance_dir}/dp{dp_rank}_bcast",
+                                        side_channel_address=instance.ipc(f"dp{dp_rank}_bcast"),
                                         zmq_context=self._ctx, max_chunk_bytes=max_chunk_bytes)
         self._response_names = [f"{prefix}_resp{rank}" for rank in range(self.tp_size)]
         self._tp_shm_name = f"{prefix}_tp"
         self._responses: list[ShmRingReader] = []
         self.workers: list[mp.process.BaseProcess] = []
         self._closed = False
+        self._heartbeats: HeartbeatTable | None = None
+        self._monitor: HeartbeatMonitor | None = None
         skip_resource_tracker()
         spawn = mp.get_context("spawn")
         try:
             for rank in range(self.tp_size):
                 cfg = WorkerProcConfig(
                     engine=config, rank=rank, tp_size=self.tp_size, dp_rank=dp_rank, dp_size=dp_size,
-                    broadcast_name=f"{prefix}_bcast", broadcast_side=f"ipc://{instance_dir}/dp{dp_rank}_bcast",
-                    response_name=self._response_names[rank], response_side=f"ipc://{instance_dir}/dp{dp_rank}_resp{rank}",
-                    dist_init_file=f"{instance_dir}/dist_dp{dp_rank}", tp_shm_name=self._tp_shm_name, max_chunks=DEFAULT_MAX_CHUNKS,
+                    broadcast_name=f"{prefix}_bcast", broadcast_side=instance.ipc(f"dp{dp_rank}_bcast"),
+                    response_name=self._response_names[rank], response_side=instance.ipc(f"dp{dp_rank}_resp{rank}"),
+                    dist_init_file=f"{instance.dir}/dist_dp{dp_rank}", tp_shm_name=self._tp_shm_name, max_chunks=DEFAULT_MAX_CHUNKS,
                     max_chunk_bytes=max_chunk_bytes, heartbeat_name=heartbeat_name,
                 )
                 proc = spawn.Process(target=run_worker, args=(cfg,), name=f"worker_dp{dp_rank}_tp{rank}")
                 proc.start()
                 self.workers.append(proc)
-            deadline = time.monotonic() + startup_timeout
+            deadline = time.monotonic() + config.health.startup_timeout
             for rank in range(self.tp_size):
-                self._responses.append(self._attach(rank, instance_dir, dp_rank, max_chunk_bytes, deadline))
+                self._responses.append(self._attach(rank, instance, dp_rank, max_chunk_bytes, deadline))
             self._broadcast.wait_for_readers(timeout=max(1.0, deadline - time.monotonic()))
             for rank in range(self.tp_size):  # each worker's READY, after its model loaded
                 self._read_reply(rank, deadline)
+            if heartbeat_name is not None:
+                # From READY on, each worker ticks between calls (and while idle): a
+                # stopped one fails the step that waits on it, as one that exited does.
+                self._heartbeats = HeartbeatTable(heartbeat_name, worker_slot(dp_rank, self.tp_size, self.tp_size - 1) + 1,
+                                                  create=False)
+                self._monitor = HeartbeatMonitor(
+                    self._heartbeats, {worker_slot(dp_rank, self.tp_size, r): f"worker tp{r}" for r in range(self.tp_size)},
+                    config.health.heartbeat_timeout)
         except BaseException:
             self.shutdown()
             raise
 
-    def _attach(self, rank: int, instance_dir: str, dp_rank: int, max_chunk_bytes: int, deadline: float) -> ShmRingReader:
+    def _attach(self, rank: int, instance: Instance, dp_rank: int, max_chunk_bytes: int, deadline: float) -> ShmRingReader:
         sleep = 0.001
         while True:
             self._check_workers()
@@ -85,7 +98,7 @@ class MultiprocExecutor:
                 # The worker wakes us after every reply: sleep through the step on the
                 # side channel rather than waking up to look (see ShmRingWriter).
                 return ShmRingReader(self._response_names[rank], 0, 1,
-                                     side_channel_address=f"ipc://{instance_dir}/dp{dp_rank}_resp{rank}",
+                                     side_channel_address=instance.ipc(f"dp{dp_rank}_resp{rank}"),
                                      zmq_context=self._ctx, max_chunk_bytes=max_chunk_bytes, deep_sleep_after=0.0)
             except RingClosedError:
                 if time.monotonic() > deadline:
@@ -97,6 +110,10 @@ class MultiprocExecutor:
         for rank, proc in enumerate(self.workers):
             if proc.exitcode is not None:
                 raise EngineDeadError(f"worker tp{rank} exited with code {proc.exitcode}")
+        if self._monitor is not None:
+            stale = self._monitor.check(time.monotonic())
+            if stale:
+                raise EngineDeadError(f"{stale[0]} stopped responding (no heartbeat for {self._monitor.timeout:.0f} s)")
 
     def _read_reply(self, rank: int, deadline: float) -> RunnerOutput | None:
         ring = self._responses[rank]
@@ -142,15 +159,9 @@ class MultiprocExecutor:
                 self._broadcast.write(self._encoder.encode(WorkerCall("shutdown")), timeout=1.0)
             except (TimeoutError, OSError):
                 pass
-        for proc in self.workers:
-            proc.join(timeout=5)
-        for proc in self.workers:
-            if proc.exitcode is None:
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
+        stop_processes(self.workers, asked_first=5, grace=5)
+        if self._heartbeats is not None:
+            self._heartbeats.close()
         for ring in self._responses:
             ring.close()
         self._broadcast.close()

@@ -1,17 +1,28 @@
-"""Prompts in, validated ``EngineCoreRequest``s out: tokenising and checking limits.
+"""Prompts in, validated requests out: rendering, tokenising and checking limits, once.
 
 Every check happens here, before anything reaches the engine, so bad input raises a
-typed ``InvalidInputError`` and leaves the engine untouched.
+typed ``InvalidInputError`` and leaves the engine untouched. :meth:`InputProcessor.prepare`
+is the one call that does it, for the library (``LLM``, ``AsyncLLM.generate``) and for
+the HTTP layer alike; what it returns (``PreparedPrompt``) is sent without being checked
+or tokenised again.
+
+``max_tokens`` follows one rule everywhere: ``None`` means up to ``max_model_len``, and
+a prompt whose ``max_tokens`` cannot fit is refused (``PromptTooLongError`` naming
+``max_tokens``, a 400 over HTTP), never cut short.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Union
 
-from aserve.errors import EmptyPromptError, InvalidInputError, InvalidSamplingParamsError, PromptTooLongError
+import msgspec
+
+from aserve.engine.request import check_fits
+from aserve.errors import EmptyPromptError, InvalidInputError, InvalidSamplingParamsError
+from aserve.frontend.tokenizer import Tokenizer
 from aserve.sampling_params import SamplingParams
-from aserve.tokenizer import Tokenizer
 from aserve.wire.messages import EngineCoreRequest
 
 #: A prompt: text, token ids, or vLLM's dict forms.
@@ -19,6 +30,16 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 # vLLM's default cap on top-n logprobs (--max-logprobs).
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt checked against the model and tokenised, with the parameters it will run
+    with (``max_tokens`` resolved); ``AsyncLLM.generate`` sends it as it is."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
 
 
 class InputProcessor:
@@ -30,11 +51,37 @@ class InputProcessor:
 
     @classmethod
     def for_model(cls, fitted: Any, tokenizer: Tokenizer) -> InputProcessor:
-        """For a fitted engine config (``engine_core.FittedConfig``): its limits, and the
-        EOS ids of generation_config.json (the tokenizer's EOS when it names none)."""
+        """For a fitted engine config (``aserve.engine.fit.FittedConfig``): its limits, and
+        the EOS ids of generation_config.json (the tokenizer's EOS when it names none)."""
         arch = fitted.arch
         eos = arch.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
         return cls(tokenizer, max_model_len=fitted.config.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos)
+
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
+        """Check ``params``, tokenise and check ``prompt``, and resolve ``max_tokens``.
+
+        Raises ``InvalidSamplingParamsError``, ``EmptyPromptError``, ``PromptTooLongError``
+        (the prompt, or the prompt plus ``max_tokens``, does not fit) or
+        ``InvalidInputError``."""
+        self.check_params(params)
+        text, ids = self.tokenize(prompt)
+        check_fits(len(ids), params.max_tokens, self.max_model_len)
+        if params.max_tokens is None:
+            room = self.max_model_len - len(ids)
+            if params.min_tokens > room:
+                raise InvalidSamplingParamsError(
+                    f"min_tokens={params.min_tokens} does not fit: the prompt leaves room for {room} tokens",
+                    param="min_tokens")
+            params = msgspec.structs.replace(params, max_tokens=room)
+        return PreparedPrompt(text, ids, params)
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> dict[str, Any]:
+        """A conversation through the chat template, as a prompt for :meth:`prepare` (the
+        template already holds any BOS the model wants, so none is added again)."""
+        if not messages:
+            raise InvalidInputError("messages must not be empty", param="messages")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids), validated."""
@@ -61,15 +108,12 @@ class InputProcessor:
             raise EmptyPromptError("the prompt has no tokens; give at least one", param="prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
             raise InvalidInputError(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, which must leave room "
-                "for at least one generated token; shorten the prompt or raise max_model_len",
-                param="prompt",
-            )
+        check_fits(len(ids), None, self.max_model_len)
         return text, ids
 
     def check_params(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:

@@ -8,8 +8,11 @@
 raises a typed ``InvalidInputError`` and the object stays usable; an exception while
 stepping aborts that call's requests before it propagates.
 
-At ``tensor_parallel_size`` 1 the model runs in the caller's process. Above it, one
-worker process per rank runs it (as in the server); ``shutdown()`` (or leaving a
+``LLM(model, **kwargs)`` takes exactly ``EngineArgs``' fields (one engine:
+``data_parallel_size`` must be 1). At ``tensor_parallel_size`` 1 the model runs in the
+caller's process (``worker_threads``, when given, sets its torch threads). Above it, one
+worker process per rank runs it (as in the server; a worker that exits or stops ticking
+its heartbeat fails the step); ``shutdown()`` (or leaving a
 ``with LLM(...)`` block, or garbage collection) stops them and removes their shared
 memory. Scripts that use TP > 1 need the ``if __name__ == "__main__":`` guard, since
 workers are started with ``spawn``.
@@ -18,58 +21,39 @@ workers are started with ``spawn``.
 from __future__ import annotations
 
 import itertools
-import tempfile
-import uuid
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aserve.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_PREFIX_CACHE_RESERVE, EngineConfig
-from aserve.engine.engine_core import EngineCore, fit_config
-from aserve.errors import InvalidInputError
+from aserve.config import EngineConfig
+from aserve.engine.args import EngineArgs
+from aserve.engine.engine_core import EngineCore
+from aserve.engine.fit import fit_config
+from aserve.engine.spawn import create_heartbeats
+from aserve.errors import ConfigError, InvalidInputError
 from aserve.executor.multiproc import MultiprocExecutor
-from aserve.frontend.engine_args import make_engine_config
 from aserve.frontend.input_processor import InputProcessor, PromptType
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
-from aserve.launch.process_utils import cleanup_instance
+from aserve.frontend.tokenizer import Tokenizer
 from aserve.outputs import RequestOutput
+from aserve.process.instance import Instance
 from aserve.sampling_params import RequestOutputKind, SamplingParams
-from aserve.tokenizer import Tokenizer
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        kv_cache_memory: int = DEFAULT_CPU_KV_CACHE_MEMORY,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        prefix_cache_reserve: float = DEFAULT_PREFIX_CACHE_RESERVE,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int | None = None,
-        tensor_parallel_size: int = 1,
-        tp_comm: str = "auto",
-        kv_cache_dtype: str = "auto",
-        device: str = "auto",
-    ) -> None:
-        config = make_engine_config(
-            model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-            prefix_cache_reserve=prefix_cache_reserve, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
-            tp_comm=tp_comm, kv_cache_dtype=kv_cache_dtype, device=device,
-        )
-        fitted = fit_config(config)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """``kwargs``: ``EngineArgs``' fields; an unknown one is a ``TypeError`` naming the
+        closest. Raises ``ConfigError`` and the model-loading errors here."""
+        self.engine_args = EngineArgs.from_kwargs("LLM", model, kwargs)
+        if self.engine_args.data_parallel_size != 1:
+            raise ConfigError("LLM runs one engine: data_parallel_size must be 1 (AsyncLLM and aserve run serve "
+                              "several)", param="data_parallel_size")
+        fitted = fit_config(self.engine_args.create_engine_config("library"))
+        config = fitted.config
         self.tokenizer = Tokenizer(Path(config.model.model))
-        self._instance: tuple[str, str] | None = None
-        if tensor_parallel_size == 1:
+        self._instance: Instance | None = None
+        if config.parallel.tensor_parallel_size == 1:
             # Imported here: it brings torch and the model into this process, which
             # ``import aserve`` alone (the server's front end) must not.
             from aserve.executor.in_process import InProcessExecutor
@@ -78,13 +62,12 @@ class LLM:
         else:
             # Workers in their own processes, over the same rings as the server; this
             # object owns their shared memory and IPC files.
-            instance_id = f"aserve_{uuid.uuid4().hex[:12]}"
-            instance_dir = tempfile.mkdtemp(prefix=f"{instance_id}-")
-            self._instance = (instance_id, instance_dir)
-            self._finalizer = weakref.finalize(self, _shutdown, None, instance_id, instance_dir)
+            instance = self._instance = Instance.create()
+            self._finalizer = weakref.finalize(self, _shutdown, None, instance)
+            heartbeats = create_heartbeats(instance, config.parallel.tensor_parallel_size, range(1))
 
             def executor_factory(cfg: EngineConfig) -> MultiprocExecutor:
-                return MultiprocExecutor(cfg, instance_dir=instance_dir, instance_id=instance_id)
+                return MultiprocExecutor(cfg, instance=instance, heartbeat_name=heartbeats)
         try:
             self.engine = EngineCore(fitted, executor_factory)
         except BaseException:
@@ -92,7 +75,7 @@ class LLM:
             raise
         if self._instance is not None:
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _shutdown, self.engine, *self._instance)
+            self._finalizer = weakref.finalize(self, _shutdown, self.engine, self._instance)
         self.config = self.engine.config
         self.input_processor = InputProcessor.for_model(fitted, self.tokenizer)
         self._ids = itertools.count()
@@ -129,10 +112,8 @@ class LLM:
                 raise InvalidInputError(
                     f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts; give one, or one per prompt"
                 )
-        for params in params_list:
-            self.input_processor.check_params(params)
-        tokenized = [self.input_processor.tokenize(p) for p in prompt_list]
-        return self._run(tokenized, params_list)
+        prepared = [self.input_processor.prepare(p, params) for p, params in zip(prompt_list, params_list)]
+        return self._run(prepared)
 
     def chat(
         self,
@@ -143,11 +124,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
-            # The template already holds any BOS the model wants.
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        prompts: list[PromptType] = [
+            self.input_processor.render_chat(list(conversation), add_generation_prompt=add_generation_prompt)
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params)
 
     def reset_prefix_cache(self) -> None:
@@ -165,11 +145,12 @@ class LLM:
             return list(prompts)
         raise InvalidInputError(f"prompts must be a string, token ids or a list of those, not {type(prompts).__name__}")
 
-    def _run(self, tokenized: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, prepared: list[Any]) -> list[RequestOutput]:
         processor = OutputProcessor()
         order: list[str] = []
         engine_ids: list[str] = []
-        for (text, ids), params in zip(tokenized, params_list):
+        for item in prepared:
+            text, ids, params = item.text, item.token_ids, item.params
             request_id = str(next(self._ids))
             params = params if params.output_kind == RequestOutputKind.FINAL_ONLY else _final_only(params)
             processor.add(RequestState(request_id, text, ids, params, self.tokenizer))
@@ -192,10 +173,10 @@ class LLM:
         return [results[request_id] for request_id in order]
 
 
-def _shutdown(engine: EngineCore | None, instance_id: str, instance_dir: str) -> None:
+def _shutdown(engine: EngineCore | None, instance: Instance) -> None:
     if engine is not None:
         engine.shutdown()
-    cleanup_instance(instance_id, instance_dir)
+    instance.cleanup()
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -1,4 +1,4 @@
-"""Which engine gets a request: the data-parallel load-balancing score (DESIGN §7).
+"""Which engine gets a request: the data-parallel load-balancing score (docs/design.md, section 7).
 
 Each API server keeps a view of every engine's waiting and running counts and its own
 in-flight requests per engine, and picks the engine with the lowest score::
@@ -16,8 +16,7 @@ figures replace the guesses. Pure logic: no I/O, no clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from aserve.engine.coordinator_logic import EngineLoad
 from aserve.errors import InvalidInputError
 
 #: An engine whose KV cache is at least this full counts as full.
@@ -25,13 +24,6 @@ KV_FULL_THRESHOLD = 0.99
 #: Extra score per waiting request on a full engine: those requests cannot start until
 #: others finish, so a full engine with a queue should lose ties it would otherwise win.
 KV_FULL_PENALTY = 4
-
-
-@dataclass
-class EngineLoad:
-    waiting: int = 0
-    running: int = 0
-    kv_cache_usage: float = 0.0
 
 
 class LoadBalancer:

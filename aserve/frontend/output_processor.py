@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import msgspec
 
-from aserve.detokenizer import IncrementalDetokenizer
+from aserve.frontend.detokenizer import IncrementalDetokenizer
 from aserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
-from aserve.tokenizer import Tokenizer
+from aserve.frontend.tokenizer import Tokenizer
 from aserve.wire.messages import EngineCoreOutput, FinishReason, TokenLogprobs
 
 

@@ -1,7 +1,7 @@
 /* A float vector for the CPU a kernel is built for, and the operations the decode
  * attention needs from it, so one kernel body serves both instruction sets aserve meets:
- *   AVX-512F     VL = 16 lanes, 32 registers (the Intel machines of sessions 1-11);
- *   AVX2 + FMA   VL = 8 lanes, 16 registers (the AMD EPYC of session 12 on).
+ *   AVX-512F     VL = 16 lanes, 32 registers (Intel Xeons, AVX-512 AMD EPYCs);
+ *   AVX2 + FMA   VL = 8 lanes, 16 registers (AMD EPYC Zen 3).
  * ASERVE_SIMD is defined when one of them is available; without it the kernels keep
  * their portable loops. Every function is a thin inline wrapper over one or a few
  * intrinsics; the AVX-512 ones are those the kernels called directly before this layer.

@@ -7,7 +7,6 @@ tensor that a rank does not own is ever held in memory twice.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,10 +16,12 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
-from aserve.errors import ConfigError, CorruptModelFileError, ModelFileNotFoundError
+from aserve.errors import ConfigError, CorruptModelFileError
+from aserve.model.checkpoint import safetensors_files
 from aserve.model.dtypes import resolve_dtype_name
 from aserve.model.hf_config import ArchConfig
 from aserve.model.registry import resolve_model_class
+
 
 def resolve_dtype(requested: str, arch: ArchConfig) -> torch.dtype:
     """``auto`` takes the checkpoint's dtype (float32 when it names none)."""
@@ -40,27 +41,6 @@ class _SafetensorsSource:
         if not slices:
             return self._handle.get_tensor(self.name)
         return self._handle.get_slice(self.name)[slices]
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's files: a single file, or the shards its index lists."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CorruptModelFileError(f"{index} is not a valid safetensors index: {exc!r}") from exc
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-    elif (model_dir / "model.safetensors").is_file():
-        files = [model_dir / "model.safetensors"]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelFileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    for path in files:
-        if not path.is_file():
-            raise ModelFileNotFoundError(f"weight shard {path.name} listed in the index is missing from {model_dir}")
-    return files
 
 
 def _iter_sources(files: list[Path], stack: ExitStack) -> Iterator[_SafetensorsSource]:

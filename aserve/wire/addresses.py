@@ -1,4 +1,4 @@
-"""Where the wire-1 sockets of one server live (DESIGN §2, §7).
+"""Where the wire-1 sockets of one server live (docs/design.md §2, §7).
 
 API server ``i`` binds one ROUTER (requests out) and one PULL (outputs in); with more
 than one engine, the DP coordinator binds a PULL (engines' load figures), an XPUB (load

@@ -1,4 +1,4 @@
-"""The handshake between a headless node and the front-end node (DESIGN §7).
+"""The handshake between a headless node and the front-end node (docs/design.md §7).
 
 The front end's supervisor binds a ROUTER at ``--dp-address:--dp-rpc-port`` (a CURVE
 server keyed by the DP secret, see ``aserve.wire.auth``); a headless node's supervisor

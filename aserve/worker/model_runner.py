@@ -21,14 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aserve.engine.scheduler import RunnerOutput
-from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, gather_numel
 from aserve.kernels.cpu_decode_attention import DecodeAttention
 from aserve.kernels.cpu_decode_attention import load as load_decode_kernel
 from aserve.kernels.cpu_prefill_attention import PrefillAttention
 from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.sampling_params import SamplingParams
+from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
 from aserve.worker.decode_staging import DecodeStaging
 from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
 from aserve.wire.messages import TokenLogprobs

@@ -14,8 +14,6 @@ import torch
 
 from aserve.config import EngineConfig
 from aserve.distributed.tp_group import TPGroup
-from aserve.engine.scheduler import RunnerOutput
-from aserve.engine.scheduler_output import SchedulerOutput
 from aserve.model.hf_config import load_arch_config
 from aserve.kernels.amx_linear import load as load_amx_linear
 from aserve.kernels.cpu_fused_ops import attach as attach_fused_ops
@@ -23,11 +21,12 @@ from aserve.kernels.cpu_fused_ops import load as load_fused_ops
 from aserve.kernels.f32_linear import load as load_f32_linear
 from aserve.kernels.llama_decode import load as load_decode_stack
 from aserve.kernels.llama_decode import load_float32 as load_float32_decode_stack
-from aserve.launch.process_utils import ProgressBar
+from aserve.progress import ProgressBar
 from aserve.model.layers.linear import prepack_linears
 from aserve.model.loader import load_model, resolve_dtype
+from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
 from aserve.worker.cpu_memory import keep_freed_memory, release_free_memory
-from aserve.worker.kv_spec import local_kv_heads
+from aserve.model.kv_spec import local_kv_heads
 from aserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("aserve.worker")

@@ -1,4 +1,4 @@
-"""A worker process: one rank of one engine's tensor-parallel group (DESIGN §3, §6).
+"""A worker process: one rank of one engine's tensor-parallel group (docs/design.md §3, §6).
 
 Start-up: attach to the engine core's broadcast ring, create this rank's response ring,
 join the TP process group (gloo on CPU; with ``tp_comm="shm"`` it sets up the shared-memory
@@ -21,9 +21,9 @@ import zmq
 from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from aserve.envs import read_env
-from aserve.executor.messages import CALL_DECODER, WorkerCall, WorkerReply
-from aserve.launch.heartbeat import HeartbeatTable, worker_slot
-from aserve.launch.process_utils import (
+from aserve.wire.worker_messages import CALL_DECODER, WorkerCall, WorkerReply
+from aserve.process.heartbeat import HeartbeatTable, worker_slot
+from aserve.process.utils import (
     available_cores,
     exit_with_parent,
     ignore_termination,

@@ -10,7 +10,7 @@ generated token decodes as it would inside the full text.
 
 from __future__ import annotations
 
-from aserve.tokenizer import Tokenizer
+from aserve.frontend.tokenizer import Tokenizer
 
 _PRIME_TOKENS = 5
 _REPLACEMENT = "\ufffd"

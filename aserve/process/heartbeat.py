@@ -1,4 +1,4 @@
-"""Heartbeats in shared memory: liveness beyond exit codes (DESIGN §9).
+"""Heartbeats in shared memory: liveness beyond exit codes (docs/design.md §9).
 
 A process can hang without dying (stopped, deadlocked, a wedged device). Each engine
 core and worker owns one 8-byte counter in a per-instance segment

@@ -1,7 +1,9 @@
 """Starting the engine side of a server: engine-core processes and the DP coordinator.
 
-Used by ``aserve run`` (the supervisor, a headless node) and by ``AsyncLLM`` when it
-owns its engines. Every child is a ``spawn`` process that exits when its parent dies.
+Used by whoever owns the engines: ``aserve run`` (the supervisor, a headless node) and
+an ``AsyncLLM`` that starts its own (``aserve.frontend.core_client``). Every child is a
+``spawn`` process that exits when its parent dies; each is handed the fitted config,
+so none fits it again.
 """
 
 from __future__ import annotations
@@ -9,28 +11,28 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection
 
-from aserve.config import EngineConfig
 from aserve.engine.coordinator import CoordinatorConfig, run_coordinator
 from aserve.engine.core_process import EngineCoreProcConfig, run_engine_core
-from aserve.launch.heartbeat import create_segment, segment_name
+from aserve.engine.fit import FittedConfig
+from aserve.process.heartbeat import create_segment, segment_name
+from aserve.process.instance import Instance
 from aserve.wire.addresses import WireAddresses
 
 
-def create_heartbeats(instance_id: str, config: EngineConfig, ranks: range) -> str:
+def create_heartbeats(instance: Instance, tp_size: int, ranks: range) -> str:
     """The instance's heartbeat segment with a slot for every engine core and worker of
-    ``ranks`` (slots are indexed by global DP rank); removed by ``cleanup_instance``."""
-    name = segment_name(instance_id)
-    create_segment(name, ranks.stop * (1 + config.parallel.tensor_parallel_size))
+    ``ranks`` (slots are indexed by global DP rank); removed by ``Instance.cleanup``."""
+    name = segment_name(instance.id)
+    create_segment(name, ranks.stop * (1 + tp_size))
     return name
 
 
 def spawn_engine_cores(
-    config: EngineConfig,
+    fitted: FittedConfig,
     addresses: WireAddresses,
     ranks: range,
     *,
-    instance_id: str,
-    instance_dir: str,
+    instance: Instance,
     heartbeat_name: str | None,
     secret: bytes | None = None,
 ) -> dict[int, mp.process.BaseProcess]:
@@ -40,8 +42,8 @@ def spawn_engine_cores(
     procs = {}
     for rank in ranks:
         cfg = EngineCoreProcConfig(
-            engine=config, engine_index=rank, input_addresses=addresses.api_inputs,
-            output_addresses=addresses.api_outputs, instance_dir=instance_dir, instance_id=instance_id,
+            fitted=fitted, engine_index=rank, input_addresses=addresses.api_inputs,
+            output_addresses=addresses.api_outputs, instance=instance,
             heartbeat_name=heartbeat_name, coordinator_input=addresses.coordinator_input,
             coordinator_stats=addresses.coordinator_stats, secret=secret,
         )

@@ -1,5 +1,5 @@
-"""Small helpers every aserve process uses at start: its title, parent-death, threads,
-scheduling."""
+"""Small helpers every aserve process uses at start: its title, parent death, signals,
+cores and scheduling. The bottom layer: it imports nothing of aserve."""
 
 from __future__ import annotations
 
@@ -59,26 +59,13 @@ def ignore_termination() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def cleanup_instance(instance_id: str, instance_dir: str) -> None:
-    """Remove every shared-memory segment and IPC file of one server instance."""
-    import glob
-    import shutil
-
-    for path in glob.glob(f"/dev/shm/{instance_id}_*"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    shutil.rmtree(instance_dir, ignore_errors=True)
-
-
 def skip_resource_tracker() -> None:
     """Keep ``multiprocessing`` from starting its resource-tracker process.
 
     ``spawn`` starts one per tree to clean up leaked semaphores and shared memory of
     ``multiprocessing`` itself, which aserve does not use (it names and removes its own
     segments). Without this, ``aserve run`` would have one more process than the
-    DESIGN's count. The tracker's pipe is pointed at /dev/null instead; children inherit it.
+    process count of docs/design.md §1. The tracker's pipe is pointed at /dev/null instead; children inherit it.
     """
     from multiprocessing import resource_tracker
 
@@ -151,28 +138,3 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr: redrawn in place on a terminal, a line per
-    tenth in a log."""
-
-    def __init__(self, label: str, width: int = 30) -> None:
-        import sys
-
-        self.label = label
-        self.width = width
-        self.stream = sys.stderr
-        self.tty = self.stream.isatty()
-        self._last_tenth = -1
-
-    def __call__(self, done: int, total: int) -> None:
-        fraction = done / total if total else 1.0
-        tenth = int(fraction * 10)
-        if not self.tty and tenth == self._last_tenth and done != total:
-            return
-        self._last_tenth = tenth
-        filled = int(fraction * self.width)
-        line = f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {fraction:4.0%} ({done}/{total})"
-        self.stream.write(("\r" + line + ("\n" if done == total else "")) if self.tty else line + "\n")
-        self.stream.flush()

@@ -1,0 +1,80 @@
+"""Messages on wire 2: the engine core's shared-memory rings to and from its workers.
+
+Each step the engine writes one ``WorkerCall`` to the broadcast ring that every worker
+of its TP group reads; the call's output rank answers with one ``WorkerReply`` on its
+own response ring. A call names one method from a fixed set (``WorkerMethod``), never
+an arbitrary attribute, and nothing is pickled: msgpack, typed decoders.
+
+The step itself (``SchedulerOutput``) carries only what changed: the model runner keeps
+each request's tokens and block table between steps; a step names the requests that
+are new to it (in full), the ones it already knows (new blocks only), how many tokens of
+each to compute, and the ones to forget (finished, aborted, preempted). A preempted
+request comes back later as new, with every token it has so far. The answer
+(``RunnerOutput``) holds the sampled token of each request that sampled, and the
+logprobs asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from aserve.sampling_params import SamplingParams
+from aserve.wire.messages import TokenLogprobs
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    req_id: str
+    token_ids: list[int]  # prompt, then any output tokens (a resumed request)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids: list[int] = []  # EOS and stop token ids, masked before min_tokens
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    freed_req_ids: list[str] = []  # forget these before running this step
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The model runner's answer to one ``SchedulerOutput``."""
+
+    req_ids: list[str]  # requests that sampled a token this step
+    sampled_token_ids: list[int]
+    logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict[str, list[TokenLogprobs]]
+
+
+WorkerMethod = Literal["execute_model", "shutdown"]
+
+
+class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    method: WorkerMethod
+    sched: SchedulerOutput | None = None
+    output_rank: int = 0  # the one rank that replies
+
+
+class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ok: bool
+    output: RunnerOutput | None = None
+    error: str | None = None
+
+
+CALL_DECODER = msgspec.msgpack.Decoder(WorkerCall)
+REPLY_DECODER = msgspec.msgpack.Decoder(WorkerReply)

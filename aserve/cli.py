@@ -30,6 +30,9 @@ from aserve.engine.args import add_cli_arguments, from_cli
 from aserve.errors import AserveError, ConfigError
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Kept here, not imported: the parsers' modules are the API server's.
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,7 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    server.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="names a request's model may give, the first reported by /v1/models (default: the "
+                             "directory's name, and MODEL as typed)")
+    server.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                        help="the model's tool-call format, read for tool_choice auto (docs/tool-calling.md)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model decide to call tools (tool_choice auto; needs --tool-call-parser)")
+    server.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="return the model's thinking as reasoning_content, apart from content")
     server.add_argument("--api-server-count", type=int, default=None,
                         help="API server processes sharing the port (default: the DP size)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -31,6 +31,42 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+class StructuredOutputsParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON Schema (an object, or its JSON text);
+    - ``json_object``: any JSON object;
+    - ``regex``: a regular expression (Rust's ``regex`` syntax) the whole output matches;
+    - ``choice``: one of these strings, exactly;
+    - ``grammar``: a context-free grammar, in llguidance's Lark dialect or in GBNF
+      (``root ::= ...``, llama.cpp's and xgrammar's EBNF form).
+
+    JSON is generated compact (``,`` and ``:``, no free-running whitespace) unless
+    ``disable_any_whitespace`` is False, so a weak model still reaches the closing brace.
+    The grammar is compiled, and refused with a named error, before the request is sent
+    (``aserve.frontend.structured_outputs``).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidSamplingParamsError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; got "
+                + (", ".join(given) or "none"), param="structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidSamplingParamsError("structured_outputs.choice must be a list of non-empty strings",
+                                             param="structured_outputs")
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Sampling and stopping parameters of one request.
 
@@ -59,6 +95,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -45,11 +45,16 @@ class FakeEngine:
     max_model_len = property(lambda self: self.inputs.max_model_len)
     vocab_size = property(lambda self: self.inputs.vocab_size)
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> dict[str, Any]:
-        return self.inputs.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.inputs.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                       template_kwargs=template_kwargs)
 
-    def prepare(self, prompt: Any, sampling_params: SamplingParams | None = None) -> PreparedPrompt:
-        prepared = self.inputs.prepare(prompt, sampling_params or SamplingParams())
+    def prepare(self, prompt: Any, sampling_params: SamplingParams | None = None, *,
+                grammar_after: tuple[int, ...] = (), constraint_param: str = "structured_outputs") -> PreparedPrompt:
+        prepared = self.inputs.prepare(prompt, sampling_params or SamplingParams(), grammar_after=grammar_after,
+                                       constraint_param=constraint_param)
         self.prepared.append(prepared)
         return prepared
 

@@ -37,7 +37,9 @@ async def create_completion(state: ServerState, request: Request) -> Any:
     engine = state.engine
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs)
-    prepared = [engine.prepare(prompt, params) for prompt in req.prompts()]
+    constraint = req.output_constraint()
+    source = constraint[0] if constraint else "structured_outputs"
+    prepared = [engine.prepare(prompt, params, constraint_param=source) for prompt in req.prompts()]
     rank = dp_rank(state, request, req)
     rid, created, model, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name, params.n
     tok = engine.tokenizer

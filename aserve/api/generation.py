@@ -35,11 +35,19 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 @dataclass
 class ServerState:
     engine: EngineClient
-    served_model_name: str
+    served_model_name: str  # what responses and /v1/models report
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     draining: bool = False
     metrics: Metrics = field(default_factory=Metrics)
+    # Every name a request's ``model`` may give (the first is ``served_model_name``).
+    served_model_names: tuple[str, ...] = ()
+    tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto"'s calls
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice (with a parser)
+    reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content apart
+
+    def accepts(self, model: str) -> bool:
+        return model == self.served_model_name or model in self.served_model_names
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -63,7 +71,7 @@ def check_serving(state: ServerState) -> None:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.served_model_name:
+    if model is not None and not state.accepts(model):
         raise HTTPException(404, f"The model `{model}` does not exist.")
 
 

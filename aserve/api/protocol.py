@@ -4,7 +4,9 @@ Bodies are decoded with msgspec into typed structs (unknown fields are ignored, 
 OpenAI API and vLLM do); a wrong type or value raises :class:`RequestError` naming the
 field, which the app turns into a 400 with OpenAI's error body. vLLM's extra sampling
 fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``priority``, ...) are accepted in the body.
+``stop_token_ids``, ``priority``, ...) are accepted in the body, and so are the output
+constraints (``response_format``, ``structured_outputs``, ``guided_*``:
+docs/structured-outputs.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import msgspec
 
 from aserve.errors import InvalidInputError
-from aserve.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams
+from aserve.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class RequestError(InvalidInputError):
@@ -23,6 +25,36 @@ class RequestError(InvalidInputError):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None  # aserve always holds the output to the schema
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` request field."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+
+#: Grammar backends a request may name: aserve matches with llguidance ("guidance" is
+#: vLLM's name for it); naming another is refused rather than silently not honoured.
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -48,6 +80,59 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     priority: int = 0
     data_parallel_rank: int | None = None  # pin an engine (also the X-data-parallel-rank header)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
+    # older top-level guided_* fields that clients still send.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def output_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the field it came from, the one output constraint the body asks for), or
+        None for free text; a RequestError naming the field when the body asks for more
+        than one, or for what is not supported."""
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            if fmt.type == "json_object":
+                asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+            elif fmt.type == "json_schema":
+                if fmt.json_schema is None or fmt.json_schema.schema is None:
+                    raise RequestError("response_format of type json_schema needs json_schema.schema",
+                                       param="response_format")
+                asked.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.schema)))
+            elif fmt.type != "text":
+                raise RequestError(f"response_format.type must be text, json_object or json_schema, not {fmt.type!r}",
+                                   param="response_format")
+        if self.structured_outputs is not None:
+            body = self.structured_outputs
+            try:
+                asked.append(("structured_outputs", StructuredOutputsParams(
+                    json=body.json, regex=body.regex, choice=body.choice, grammar=body.grammar,
+                    json_object=body.json_object, disable_any_whitespace=body.disable_any_whitespace)))
+            except InvalidInputError as exc:
+                raise RequestError(str(exc), param="structured_outputs") from None
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    asked.append((name, StructuredOutputsParams(**{name.removeprefix("guided_"): value})))
+                except InvalidInputError as exc:
+                    raise RequestError(str(exc).replace("structured_outputs", name), param=name) from None
+        if len(asked) > 1:
+            raise RequestError(f"give one output constraint, not {' and '.join(n for n, _ in asked)}",
+                               param=asked[1][0])
+        if self.guided_decoding_backend is not None and self.guided_decoding_backend not in GRAMMAR_BACKENDS:
+            raise RequestError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: aserve "
+                               "matches grammars with llguidance ('guidance' or 'auto')", param="guided_decoding_backend")
+        if self.guided_whitespace_pattern is not None:
+            raise RequestError("guided_whitespace_pattern is not supported: JSON is compact, or free with "
+                               "structured_outputs.disable_any_whitespace=false", param="guided_whitespace_pattern")
+        return asked[0] if asked else None
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (``max_tokens`` None: up to ``max_model_len``);
@@ -72,6 +157,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=constraint[1] if (constraint := self.output_constraint()) else None,
         )
 
     @property
@@ -100,9 +186,34 @@ class CompletionRequest(_SamplingFields, kw_only=True):
                            param="prompt")
 
 
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: NamedToolChoiceFunction
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -123,6 +234,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -28,7 +28,7 @@ DEAD_ENGINE_GRACE = 2.0  # seconds a server with a dead engine keeps answering 5
 
 @dataclass(frozen=True)
 class ApiServerConfig:
-    served_model_name: str
+    served_model_names: tuple[str, ...]  # the first is reported; requests may give any
     api_key: str | None
     loop: str  # asyncio | uvloop | trio
     shutdown_timeout: float
@@ -36,8 +36,15 @@ class ApiServerConfig:
     ssl_keyfile: str | None = None
     index: int = 0
     log_level: str = "INFO"
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
     fitted: Any = None  # FittedConfig: the supervisor fitted it, once, for every process
     attach: Any = None  # EngineAttachment: the engine cores the supervisor started
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
 
 
 class _InFlight:
@@ -82,7 +89,9 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
 
     engine = AsyncLLM.attached(cfg.fitted, cfg.attach)
     pin_to_cpus(engine.config.parallel.frontend_cpus(), all_threads=True)  # off the workers' cores
-    state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key)
+    state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key,
+                        served_model_names=cfg.served_model_names, tool_call_parser=cfg.tool_call_parser,
+                        enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser)
     app = _InFlight(build_app(state), cfg.index)
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]

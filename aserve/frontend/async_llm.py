@@ -174,14 +174,20 @@ class AsyncLLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
-    def prepare(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> PreparedPrompt:
-        """Validate and tokenise once (``InputProcessor.prepare``); raises
-        ``InvalidInputError`` subclasses and sends nothing."""
-        return self.input_processor.prepare(prompt, sampling_params or SamplingParams())
+    def prepare(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+                grammar_after: tuple[int, ...] = (), constraint_param: str = "structured_outputs") -> PreparedPrompt:
+        """Validate, compile the structured-output constraint and tokenise, once
+        (``InputProcessor.prepare``); raises ``InvalidInputError`` subclasses and sends
+        nothing."""
+        return self.input_processor.prepare(prompt, sampling_params or SamplingParams(), grammar_after=grammar_after,
+                                            constraint_param=constraint_param)
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> dict[str, Any]:
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A conversation through the model's chat template, as a prompt for :meth:`prepare`."""
-        return self.input_processor.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.input_processor.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                template_kwargs=template_kwargs)
 
     def engine_for(self, request_id: str) -> int | None:
         """The DP rank of the engine serving a request in progress."""
@@ -228,8 +234,9 @@ class AsyncLLM:
         finished = False
         try:
             for i in range(params.n):
-                core.add(self.input_processor.make_request(child_request_id(request_id, i, params.n), ids,
-                                                           child_params(params, i), priority=priority), engine)
+                core.add(self.input_processor.make_request(
+                    child_request_id(request_id, i, params.n), ids, child_params(params, i), priority=priority,
+                    grammar=prepared.grammar, grammar_after=prepared.grammar_after), engine)
             # A consumer that fell behind (a slow client, a busy API server) gets one
             # delta covering every step it missed rather than one per step, as vLLM's
             # output collector merges them.

@@ -53,11 +53,16 @@ class EngineClient(Protocol):
     def failure(self) -> Exception | None:
         """Why an engine died, unless the engines were stopped on purpose."""
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> dict[str, Any]:
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A conversation through the chat template, as a prompt; ``InvalidInputError``."""
 
-    def prepare(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> PreparedPrompt:
-        """Validate ``sampling_params`` and tokenise and check ``prompt``, once;
+    def prepare(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+                grammar_after: tuple[int, ...] = (), constraint_param: str = "structured_outputs") -> PreparedPrompt:
+        """Validate ``sampling_params`` (compiling its structured-output constraint, which
+        applies after ``grammar_after`` when given and is reported as ``constraint_param``
+        when it does not compile), tokenise and check ``prompt``, once;
         ``InvalidInputError`` (a 400 naming ``param``) and nothing is sent."""
 
     def generate(self, prompt: PreparedPrompt, sampling_params: None = None, request_id: str | None = None, *,

@@ -21,6 +21,7 @@ import msgspec
 
 from aserve.engine.request import check_fits
 from aserve.errors import EmptyPromptError, InvalidInputError, InvalidSamplingParamsError
+from aserve.frontend.structured_outputs import compile_grammar
 from aserve.frontend.tokenizer import Tokenizer
 from aserve.sampling_params import SamplingParams
 from aserve.wire.messages import EngineCoreRequest
@@ -35,11 +36,14 @@ MAX_LOGPROBS = 20
 @dataclass(frozen=True)
 class PreparedPrompt:
     """A prompt checked against the model and tokenised, with the parameters it will run
-    with (``max_tokens`` resolved); ``AsyncLLM.generate`` sends it as it is."""
+    with (``max_tokens`` resolved) and its compiled grammar (structured outputs);
+    ``AsyncLLM.generate`` sends it as it is."""
 
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    grammar: str | None = None
+    grammar_after: tuple[int, ...] = ()  # the grammar applies after these tokens (a reasoning end)
 
 
 class InputProcessor:
@@ -57,13 +61,20 @@ class InputProcessor:
         eos = arch.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
         return cls(tokenizer, max_model_len=fitted.config.max_model_len, vocab_size=arch.vocab_size, eos_token_ids=eos)
 
-    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
-        """Check ``params``, tokenise and check ``prompt``, and resolve ``max_tokens``.
+    def prepare(self, prompt: PromptType, params: SamplingParams, *, grammar_after: tuple[int, ...] = (),
+                constraint_param: str = "structured_outputs") -> PreparedPrompt:
+        """Check ``params``, compile its structured-output constraint, tokenise and check
+        ``prompt``, and resolve ``max_tokens``. ``grammar_after``: token ids (a reasoning
+        parser's end marker) after which the constraint applies; ``constraint_param``: the
+        field a constraint that does not compile is reported as (``response_format``...).
 
-        Raises ``InvalidSamplingParamsError``, ``EmptyPromptError``, ``PromptTooLongError``
-        (the prompt, or the prompt plus ``max_tokens``, does not fit) or
-        ``InvalidInputError``."""
+        Raises ``InvalidSamplingParamsError``, ``StructuredOutputError`` (a constraint
+        that does not compile), ``EmptyPromptError``, ``PromptTooLongError`` (the prompt,
+        or the prompt plus ``max_tokens``, does not fit) or ``InvalidInputError``."""
         self.check_params(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = compile_grammar(params.structured_outputs, param=constraint_param)
         text, ids = self.tokenize(prompt)
         check_fits(len(ids), params.max_tokens, self.max_model_len)
         if params.max_tokens is None:
@@ -73,14 +84,23 @@ class InputProcessor:
                     f"min_tokens={params.min_tokens} does not fit: the prompt leaves room for {room} tokens",
                     param="min_tokens")
             params = msgspec.structs.replace(params, max_tokens=room)
-        return PreparedPrompt(text, ids, params)
+        return PreparedPrompt(text, ids, params, grammar, grammar_after if grammar else ())
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> dict[str, Any]:
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A conversation through the chat template, as a prompt for :meth:`prepare` (the
-        template already holds any BOS the model wants, so none is added again)."""
+        template already holds any BOS the model wants, so none is added again);
+        ``tools``, when given, reach the template as Hugging Face templates take them."""
         if not messages:
             raise InvalidInputError("messages must not be empty", param="messages")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        extra = dict(template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "tools"):
+            if reserved in extra:
+                raise InvalidInputError(f"chat_template_kwargs must not set {reserved!r}", param="chat_template_kwargs")
+        if tools is not None:
+            extra["tools"] = tools
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -122,6 +142,7 @@ class InputProcessor:
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+        grammar: str | None = None, grammar_after: tuple[int, ...] = (),
     ) -> EngineCoreRequest:
         return EngineCoreRequest(
             request_id=request_id,
@@ -131,4 +152,6 @@ class InputProcessor:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             priority=priority,
+            grammar=grammar,
+            grammar_after=list(grammar_after),
         )

@@ -157,7 +157,8 @@ class LLM:
             order.append(request_id)
             for i in range(params.n):
                 child_id = child_request_id(request_id, i, params.n)
-                self.engine.add_request(self.input_processor.make_request(child_id, ids, child_params(params, i)))
+                self.engine.add_request(self.input_processor.make_request(
+                    child_id, ids, child_params(params, i), grammar=item.grammar, grammar_after=item.grammar_after))
                 engine_ids.append(child_id)
         results: dict[str, RequestOutput] = {}
         try:

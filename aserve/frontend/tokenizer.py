@@ -65,7 +65,8 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any) -> str:
-        """Render ``messages`` with the model's chat template.
+        """Render ``messages`` with the model's chat template (``extra``: more variables,
+        such as ``tools`` or a template's own switches like ``enable_thinking``).
 
         Raises ``InvalidInputError`` when the model has no template or the template
         rejects the messages (for example roles in an order it does not allow).
@@ -75,6 +76,8 @@ class Tokenizer:
         if self._compiled_template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson  # as transformers defines it: no HTML escaping
             self._compiled_template = env.from_string(self.chat_template)
         try:
             return self._compiled_template.render(
@@ -90,3 +93,16 @@ class Tokenizer:
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)

@@ -30,6 +30,21 @@ def model_name(model: str | None) -> str:
     return Path(model).name if model else "aserve-default"
 
 
+def served_model_names(model: str | None, names: list[str] | None) -> tuple[str, ...]:
+    """``--served-model-name``'s names, or else the model directory's name and the model
+    argument as typed (vLLM serves a path under itself: ``vllm bench serve --model PATH``
+    asks for it so). The first is the one the server reports."""
+    if names:
+        return tuple(dict.fromkeys(names))
+    return tuple(dict.fromkeys([model_name(model), *([model] if model else [])]))
+
+
+def check_tool_flags(args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)",
+                          param="tool_call_parser")
+
+
 def data_parallel(args: argparse.Namespace) -> DataParallelLaunch:
     """The DataParallelLaunch of ``aserve run``'s DP flags; ConfigError when they clash."""
     size = args.data_parallel_size
@@ -109,10 +124,13 @@ def prepare_server(engine_args: EngineArgs, args: argparse.Namespace, *,
     fitted = fit_for_node(engine_args, dp)
     Tokenizer(Path(fitted.config.model.model))  # the API servers' tokenizer: a missing or bad one fails now
     check_tls(args.ssl_certfile, args.ssl_keyfile)
+    check_tool_flags(args)
     cfg = ApiServerConfig(
-        served_model_name=args.served_model_name or model_name(engine_args.model), api_key=args.api_key, loop=loop,
-        shutdown_timeout=args.shutdown_timeout, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        log_level=args.log_level, fitted=fitted,
+        served_model_names=served_model_names(engine_args.model, args.served_model_name), api_key=args.api_key,
+        loop=loop, shutdown_timeout=args.shutdown_timeout, ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile, log_level=args.log_level, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
+        fitted=fitted,
     )
     return cfg, bind_listening_socket(args.host, args.port), dp
 
@@ -121,4 +139,4 @@ def prepare_headless(engine_args: EngineArgs,
                      args: argparse.Namespace) -> tuple[FittedConfig, str, DataParallelLaunch]:
     """A headless node's fitted config, served model name and DP launch."""
     dp = data_parallel(args)
-    return fit_for_node(engine_args, dp), args.served_model_name or model_name(engine_args.model), dp
+    return fit_for_node(engine_args, dp), served_model_names(engine_args.model, args.served_model_name)[0], dp

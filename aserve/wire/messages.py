@@ -41,6 +41,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0  # which API server sent it
     data_parallel_rank: int | None = None
     current_wave: int = 0  # the DP wave the API server saw (MoE lockstep; dense engines ignore it)
+    # Structured outputs: the llguidance grammar the output must match (None: free), and
+    # the token ids after which it starts to apply (the end of a reasoning section).
+    grammar: str | None = None
+    grammar_after: list[int] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

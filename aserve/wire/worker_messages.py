@@ -32,6 +32,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: list[int] = []  # EOS and stop token ids, masked before min_tokens
+    grammar: str | None = None  # structured outputs: what the output must match (aserve.worker.grammar)
+    grammar_after: list[int] = []  # ... from the first output token after these ids
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

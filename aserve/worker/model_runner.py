@@ -29,6 +29,7 @@ from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.sampling_params import SamplingParams
 from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
 from aserve.worker.decode_staging import DecodeStaging
+from aserve.worker.grammar import GrammarState
 from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
 from aserve.wire.messages import TokenLogprobs
 
@@ -53,9 +54,11 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True,
-                 device: torch.device | None = None) -> None:
-        """``device``: where ``model`` is (default: the CPU)."""
+                 device: torch.device | None = None, grammars: GrammarState | None = None) -> None:
+        """``device``: where ``model`` is (default: the CPU); ``grammars``: the
+        structured-output state of constrained requests (None: none may come)."""
         self.model = model
+        self.grammars = grammars
         self.device = device or torch.device("cpu")
         self.on_cpu = self.device.type == "cpu"
         self.block_size = block_size
@@ -123,11 +126,17 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             if self.staging is not None:
                 self.staging.release(req_id)
+            if self.grammars is not None:
+                self.grammars.remove(req_id)
         for new in sched.new_requests:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, new.stop_token_ids,
             )
+            if new.grammar is not None:
+                if self.grammars is None:
+                    raise RuntimeError("a request with a grammar reached a model runner without structured outputs")
+                self.grammars.add(new.req_id, new.grammar, new.grammar_after, new.token_ids[new.num_prompt_tokens:])
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -233,11 +242,15 @@ class ModelRunner:
         if not self.on_cpu:
             logits = logits.float().cpu()  # the sampler's generators are the host's
         rows = [scheduled[r][0] for r in sample_rows]
+        allowed = self.grammars.allowed([s.req_id for s in rows]) if self.grammars is not None and len(self.grammars) else None
         tokens, logprobs = self.sampler(
-            logits, [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_token_ids) for s in rows]
+            logits, [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_token_ids) for s in rows], allowed
         )
         for state, token in zip(rows, tokens):
             state.token_ids.append(token)
+        if allowed is not None:
+            for k in allowed[0]:
+                self.grammars.advance(rows[k].req_id, tokens[k])
         req_ids = [s.req_id for s in rows]
         return RunnerOutput(
             req_ids, tokens, {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None}, prompt_logprobs

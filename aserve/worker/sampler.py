@@ -1,9 +1,11 @@
 """Turns a step's logits into tokens, one row per request that samples this step.
 
 Order of operations (as in vLLM): raw logprobs are taken first (what ``logprobs``
-reports), then stop tokens are masked until ``min_tokens``, then the penalties, then
-greedy rows take the argmax while the others are divided by their temperature,
-filtered by top-k, top-p and min-p, and sampled.
+reports), then stop tokens are masked until ``min_tokens``, then the penalties, then a
+structured output's grammar masks what it does not allow (``aserve.worker.grammar``;
+where that leaves nothing, because ``min_tokens`` masked the end the grammar requires,
+the grammar wins), then greedy rows take the argmax while the others are divided by
+their temperature, filtered by top-k, top-p and min-p, and sampled.
 
 Sampling draws ``argmax(p / q)`` with ``q ~ Exp(1)``, which picks token i with
 probability ``p_i`` and needs no cumulative sums. A request with a ``seed`` draws its
@@ -45,9 +47,11 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, V] for N rows. Returns the chosen token ids and, for rows that
-        asked, their logprobs (chosen token first, then the top-n)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 allowed: tuple[list[int], torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [N, V] for N rows; ``allowed``: (row indices, bool [k, V]) of rows
+        under a grammar. Returns the chosen token ids and, for rows that asked, their
+        logprobs (chosen token first, then the top-n)."""
         logits = logits.float()
         n_rows = len(rows)
         want_logprobs = [r.params.logprobs is not None for r in rows]
@@ -55,6 +59,8 @@ class Sampler:
         if any(r.params.min_tokens or r.params.has_penalties for r in rows):
             logits = logits.clone()
             self._apply_min_tokens_and_penalties(logits, rows)
+        if allowed is not None:
+            logits = self._apply_grammar(logits, *allowed)
 
         greedy = [r.params.is_greedy for r in rows]
         tokens = torch.empty(n_rows, dtype=torch.long)
@@ -87,6 +93,20 @@ class Sampler:
                 if want_logprobs[i]:
                     logprob_out[i] = top_logprobs(raw_logprobs[i], token_list[i], row.params.logprobs or 0)
         return token_list, logprob_out
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, row_index: list[int], allowed: torch.Tensor) -> torch.Tensor:
+        """Mask, in rows ``row_index``, every token ``allowed`` [k, V] does not allow."""
+        index = torch.tensor(row_index)
+        width = min(logits.shape[1], allowed.shape[1])
+        sub = logits[index, :width].masked_fill(~allowed[:, :width], _MASK)
+        dead = torch.isneginf(sub.max(dim=-1).values)
+        if bool(dead.any()):  # min_tokens (or a penalty) masked all the grammar allows
+            sub[dead] = torch.zeros(int(dead.sum()), width).masked_fill_(~allowed[dead, :width], _MASK)
+        logits[index, :width] = sub
+        if width < logits.shape[1]:
+            logits[index, width:] = _MASK
+        return logits
 
     @staticmethod
     def _apply_min_tokens_and_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

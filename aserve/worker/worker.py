@@ -27,6 +27,7 @@ from aserve.model.loader import load_model, resolve_dtype
 from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
 from aserve.worker.cpu_memory import keep_freed_memory, release_free_memory
 from aserve.model.kv_spec import local_kv_heads
+from aserve.worker.grammar import GrammarState
 from aserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("aserve.worker")
@@ -74,7 +75,8 @@ class Worker:
         if on_cpu:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,
-                                  device=self.device)
+                                  device=self.device, grammars=GrammarState(model_dir, arch.vocab_size,
+                                                                            arch.eos_token_ids))
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(
             config.cache.num_blocks,

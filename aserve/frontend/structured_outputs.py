@@ -90,9 +90,12 @@ def _compile(kind: str, text: str) -> tuple[str, str]:
             grammar = matcher.grammar_from_regex(text)
         else:
             if kind == "grammar" and "::=" in text:  # GBNF, as llama.cpp and xgrammar write it
-                from llguidance.gbnf_to_lark import gbnf_to_lark
+                from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
-                text = gbnf_to_lark(text)
+                try:
+                    text = gbnf_to_lark(text)
+                except GbnfToLarkError as exc:
+                    return "", f"not valid GBNF: {exc}"
             grammar = matcher.grammar_from_lark(text)
     except (ValueError, TypeError, RuntimeError) as exc:
         return "", str(exc)

@@ -126,6 +126,11 @@ def _add_bench_parser(sub: Any) -> None:
     serve.add_argument("--temperature", type=float, default=0.0)
     serve.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                        help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    serve.add_argument("--structured", choices=("json_schema",), default=None,
+                       help="constrain requests with response_format json_schema (a list of records: every token "
+                            "under the grammar)")
+    serve.add_argument("--structured-fraction", type=float, default=1.0,
+                       help="the share of requests --structured constrains (default 1: all)")
     serve.add_argument("--http2", action="store_true", help="HTTP/2 (h2c with prior knowledge, or ALPN over TLS)")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--result-filename", default=None, help="write the result JSON here")
@@ -218,6 +223,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from aserve.frontend.tokenizer import Tokenizer
     from aserve.progress import ProgressBar
 
+    if not 0.0 <= args.structured_fraction <= 1.0:
+        raise ConfigError("--structured-fraction must be in [0, 1]", param="structured_fraction")
     tokenizer_dir = args.tokenizer or args.model
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         raise ConfigError(f"no tokenizer.json in {tokenizer_dir!r}: pass --tokenizer DIR", param="tokenizer")
@@ -238,7 +245,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     cfg = LoadConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model, request_rate=args.request_rate,
                      burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
                      temperature=args.temperature, http2=args.http2, seed=args.seed, goodput=goodput,
-                     api_key=args.api_key)
+                     api_key=args.api_key, structured=args.structured, structured_fraction=args.structured_fraction)
     progress = None if args.no_progress else ProgressBar("requests")
     options = {"use_uvloop": True} if _resolve_loop(args.loop) == "uvloop" else {}
     results, duration = anyio.run(run_load, cfg, samples, tokenizer, progress, backend_options=options)

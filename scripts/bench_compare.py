@@ -119,12 +119,18 @@ def load(args: argparse.Namespace, model: Path, concurrency: int, prompts: int, 
                "--endpoint", "/v1/completions", *common, "--temperature", "0", "--save-result",
                "--result-filename", str(out)]
     else:
-        cmd = [sys.executable, "-m", "aserve", "bench", "serve", *common, "--no-progress", "--result-filename", str(out)]
+        cmd = [sys.executable, "-m", "aserve", "bench", "serve", *common, "--no-progress", "--result-filename", str(out),
+               *shlex.split(args.client_args)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
     result = json.loads(out.read_text())
-    return {k: result[k] for k in ("completed", "failed", "output_throughput", "median_ttft_ms", "median_itl_ms",
-                                   "median_tpot_ms", "p99_ttft_ms", "duration")}
+    row = {k: result[k] for k in ("completed", "failed", "output_throughput", "median_ttft_ms", "median_itl_ms",
+                                  "median_tpot_ms", "p99_ttft_ms", "duration")}
+    if "by_kind" in result:
+        row["by_kind"] = {kind: {k: part[k] for k in ("completed", "schema_shaped", "output_throughput",
+                                                      "median_ttft_ms", "median_itl_ms")}
+                          for kind, part in result["by_kind"].items()}
+    return row
 
 
 def serve_cmd(system: str, args: argparse.Namespace, model: Path, dtype: str, size: str) -> tuple[list[str], dict[str, str]]:
@@ -163,6 +169,8 @@ def main() -> None:
     parser.add_argument("--client", choices=("aserve", "vllm"), default="aserve")
     parser.add_argument("--aserve-args", default="", help="more flags for aserve run")
     parser.add_argument("--vllm-args", default="", help="more flags for vllm serve")
+    parser.add_argument("--client-args", default="",
+                        help="more flags for aserve bench serve (say \"--structured json_schema\")")
     args = parser.parse_args()
     (ROOT / "results").mkdir(exist_ok=True)
     systems = [s for s in args.systems if s == "aserve" or (Path(args.vllm_venv) / "bin" / "vllm").exists()]

@@ -60,3 +60,90 @@ def build_model(name: str, out_dir: Path, *, seed: int = 0, shard: bool = False)
         cfg["torch_dtype"] = cfg.pop("dtype", "float32")
         (out_dir / "config.json").write_text(json.dumps(cfg))
     return out_dir
+
+
+#: A ChatML template that also renders tools, assistant tool calls and tool results the
+#: way Qwen's (Hermes-format) templates do, and closes the thinking when asked not to think.
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Return each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{%- endif %}"""
+
+
+def with_tools_template(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of ``model_dir`` (links) whose chat template is ``TOOLS_TEMPLATE``."""
+    out_dir.mkdir(parents=True)
+    for path in model_dir.iterdir():
+        (out_dir / path.name).symlink_to(path)
+    (out_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return out_dir
+
+
+#: What the scripted model says after "<|im_start|>assistant\n": think, then answer.
+SCRIPT = ["<think>", "a", "b", "</think>", "c"]
+
+
+def build_scripted_model(out_dir: Path) -> Path:
+    """A Llama whose greedy reply is ``SCRIPT`` then EOS, whatever the prompt.
+
+    Every layer's output projections are zero, so each position's hidden state is its
+    token's embedding; the script's tokens get one-hot embeddings and the LM head maps
+    each to the next one with a large logit (every other token scores 0). ``<think>`` and
+    ``</think>`` are added, non-special tokens (as in Qwen 3's tokenizer), so they stay
+    in the text the reasoning parsers read. Under a grammar the script's token is taken
+    where the grammar allows it, else the lowest allowed id.
+    """
+    import transformers
+    from tokenizers import AddedToken
+
+    tok = build_tokenizer()
+    tok.add_tokens([AddedToken("<think>", special=False, normalized=False),
+                    AddedToken("</think>", special=False, normalized=False)])
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": vocab}, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ids = [tok.encode("\n", add_special_tokens=False).ids[-1]] + [tok.token_to_id(t) for t in SCRIPT] + [
+        tok.token_to_id(EOS)]
+    assert len(set(ids)) == len(ids) and None not in ids
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for i, (token, successor) in enumerate(zip(ids, ids[1:])):
+            model.model.embed_tokens.weight[token, i] = 1.0
+            model.lm_head.weight[successor, i] = 40.0
+    model.save_pretrained(out_dir)
+    write_tokenizer_files(out_dir, tok)
+    (out_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    generation = {"bos_token_id": 0, "eos_token_id": [tok.token_to_id(EOS), tok.token_to_id(IM_END)]}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation))
+    return out_dir

@@ -9,6 +9,15 @@ the time per output token after the first (TPOT) and the whole latency (E2EL). O
 tokens are the server's ``usage.completion_tokens`` when it reports them, else the
 generated text re-tokenised. The result has the field names of vLLM's serving
 benchmark, so the JSON of both tools can be set side by side.
+
+A structured load (``structured="json_schema"``) gives a share of the requests
+(``structured_fraction``, spread evenly) OpenAI's ``response_format`` with
+``BENCH_SCHEMA`` (``response_format`` on chat; vLLM's ``structured_outputs`` on
+completions, which OpenAI's API does not constrain): a list of small records with no end,
+so the grammar masks every token of every constrained request. The result then also
+splits TTFT, ITL and throughput between constrained and unconstrained requests
+(``by_kind``), and counts the outputs that start as the schema says (``schema_shaped``),
+so a server that ignored the constraint cannot pass for a fast one.
 """
 
 from __future__ import annotations
@@ -26,9 +35,20 @@ from aserve.bench.datasets import SampleRequest
 from aserve.bench.http1 import Http1Client
 
 
+#: The structured load's schema: records for ever, so every token is under the grammar.
+BENCH_SCHEMA = {
+    "type": "array", "minItems": 1,
+    "items": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "name": {"type": "string", "maxLength": 16},
+        "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"], "additionalProperties": False},
+}
+
+
 @dataclass
 class RequestResult:
     prompt_len: int
+    constrained: bool = False
     success: bool = False
     output_tokens: int = 0
     ttft: float = 0.0
@@ -53,6 +73,13 @@ class LoadConfig:
     goodput: dict[str, float] = field(default_factory=dict)  # "ttft"/"tpot"/"e2el" -> ms
     timeout: float = 600.0
     api_key: str | None = None
+    structured: str | None = None  # "json_schema": constrained requests carry BENCH_SCHEMA
+    structured_fraction: float = 1.0  # the share of requests that are constrained
+
+    def is_constrained(self, index: int) -> bool:
+        """Request ``index`` carries the constraint: an even spread of the fraction."""
+        f = self.structured_fraction if self.structured else 0.0
+        return math.floor((index + 1) * f + 1e-9) > math.floor(index * f + 1e-9)
 
 
 def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -66,9 +93,15 @@ def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> list[fl
     return rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n).tolist()
 
 
-def _body(cfg: LoadConfig, sample: SampleRequest) -> dict[str, Any]:
+def _body(cfg: LoadConfig, sample: SampleRequest, constrained: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {"model": cfg.model, "max_tokens": sample.expected_output_len, "stream": True,
                             "stream_options": {"include_usage": True}, "temperature": cfg.temperature}
+    if constrained:
+        if cfg.endpoint.endswith("chat/completions"):
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "records", "schema": BENCH_SCHEMA, "strict": True}}
+        else:  # OpenAI's completions have no response_format: vLLM's (and aserve's) field
+            body["structured_outputs"] = {"json": BENCH_SCHEMA}
     if cfg.ignore_eos:
         body["ignore_eos"] = True  # vLLM's (and aserve's) extension
     if cfg.endpoint.endswith("chat/completions"):
@@ -92,17 +125,19 @@ async def _sse_lines(chunks: Any) -> Any:
         yield buffer.decode("utf-8", errors="replace")
 
 
-async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any) -> RequestResult:
+async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any,
+               constrained: bool = False) -> RequestResult:
     """One request, failed (not raised) after ``cfg.timeout`` seconds in all."""
     try:
         with anyio.fail_after(cfg.timeout):
-            return await _stream_one(client, cfg, sample, tokenizer)
+            return await _stream_one(client, cfg, sample, tokenizer, constrained)
     except TimeoutError:
-        return RequestResult(sample.prompt_len, error=f"no complete response within {cfg.timeout:g} s")
+        return RequestResult(sample.prompt_len, constrained, error=f"no complete response within {cfg.timeout:g} s")
 
 
-async def _stream_one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any) -> RequestResult:
-    result = RequestResult(sample.prompt_len)
+async def _stream_one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any,
+                      constrained: bool) -> RequestResult:
+    result = RequestResult(sample.prompt_len, constrained)
     chat = cfg.endpoint.endswith("chat/completions")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     start = last = time.perf_counter()
@@ -110,7 +145,8 @@ async def _stream_one(client: Any, cfg: LoadConfig, sample: SampleRequest, token
     usage_tokens = None
     try:
         async with client.stream("POST", cfg.base_url.rstrip("/") + cfg.endpoint,
-                                 content=json.dumps(_body(cfg, sample)).encode(), headers=headers) as response:
+                                 content=json.dumps(_body(cfg, sample, constrained)).encode(),
+                                 headers=headers) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -171,7 +207,7 @@ async def run_load(cfg: LoadConfig, samples: list[SampleRequest], tokenizer: Any
         async def send(i: int) -> None:
             nonlocal done
             async with gate:
-                results[i] = await _one(client, cfg, samples[i], tokenizer)
+                results[i] = await _one(client, cfg, samples[i], tokenizer, cfg.is_constrained(i))
             done += 1
             if progress is not None:
                 progress(done, len(samples))
@@ -222,6 +258,19 @@ def summarize(cfg: LoadConfig, results: list[RequestResult], duration: float) ->
     }
     out |= _stats("ttft", [r.ttft for r in ok]) | _stats("tpot", tpots) | _stats("itl", itls)
     out |= _stats("e2el", [r.latency for r in ok])
+    if cfg.structured:
+        out["structured"] = cfg.structured
+        out["structured_fraction"] = cfg.structured_fraction
+        out["by_kind"] = {}
+        for kind, flag in (("constrained", True), ("unconstrained", False)):
+            part = [r for r in ok if r.constrained is flag]
+            if part:
+                out["by_kind"][kind] = {"completed": len(part),
+                                        # a server that ignored the constraint shows here
+                                        "schema_shaped": sum('[{"id":' in r.text for r in part),
+                                        "output_throughput": sum(r.output_tokens for r in part) / duration,
+                                        **_stats("ttft", [r.ttft for r in part]),
+                                        **_stats("itl", [x for r in part for x in r.itl])}
     out |= {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
             "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
             "generated_texts": [r.text for r in results], "errors": [r.error for r in results]}
@@ -245,6 +294,9 @@ def format_summary(result: dict[str, Any]) -> str:
                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         lines.append(f"{name + ' (ms) mean / median / p99:':<52}"
                      f"{result[f'mean_{key}_ms']:.2f} / {result[f'median_{key}_ms']:.2f} / {result[f'p99_{key}_ms']:.2f}")
+    for kind, part in (result.get("by_kind") or {}).items():
+        lines.append(f"{kind + ' requests:':<40}{part['completed']:>12}   output {part['output_throughput']:.2f} tok/s, "
+                     f"median TTFT {part['median_ttft_ms']:.2f} ms, median ITL {part['median_itl_ms']:.2f} ms")
     return "\n".join(lines)
 
 

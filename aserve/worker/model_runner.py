@@ -249,8 +249,10 @@ class ModelRunner:
         for state, token in zip(rows, tokens):
             state.token_ids.append(token)
         if allowed is not None:
-            for k in allowed[0]:
-                self.grammars.advance(rows[k].req_id, tokens[k])
+            advanced = [rows[k].req_id for k in allowed[0]]
+            for rid, k in zip(advanced, allowed[0]):
+                self.grammars.advance(rid, tokens[k])
+            self.grammars.prefetch(advanced)
         req_ids = [s.req_id for s in rows]
         return RunnerOutput(
             req_ids, tokens, {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None}, prompt_logprobs

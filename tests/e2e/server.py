@@ -19,6 +19,7 @@ class Server:
     def __init__(self, model: Path, *extra: str, env: dict[str, str] | None = None, verify: Any = True,
                  wait: bool = True) -> None:
         self.verify = verify
+        self.model_path = Path(model)
         cmd = [sys.executable, "-m", "aserve", "run", str(model), "--port", "0", "--kv-cache-memory", str(1 << 24),
                "--max-model-len", "256", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -96,11 +96,16 @@ Return each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|i
 {% endif %}{%- endif %}"""
 
 
-def with_tools_template(model_dir: Path, out_dir: Path) -> Path:
-    """A copy of ``model_dir`` (links) whose chat template is ``TOOLS_TEMPLATE``."""
+def with_tools_template(model_dir: Path, out_dir: Path, max_positions: int = 2048) -> Path:
+    """A copy of ``model_dir`` (links) whose chat template is ``TOOLS_TEMPLATE`` and whose
+    config allows ``max_positions`` (tool definitions make long prompts)."""
     out_dir.mkdir(parents=True)
     for path in model_dir.iterdir():
-        (out_dir / path.name).symlink_to(path)
+        if path.name != "config.json":
+            (out_dir / path.name).symlink_to(path)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = max_positions
+    (out_dir / "config.json").write_text(json.dumps(config))
     (out_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
     return out_dir
 
@@ -126,8 +131,8 @@ def build_scripted_model(out_dir: Path) -> Path:
     tok.add_tokens([AddedToken("<think>", special=False, normalized=False),
                     AddedToken("</think>", special=False, normalized=False)])
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": vocab}, num_attention_heads=4, num_key_value_heads=2,
-                                      tie_word_embeddings=False)
+    config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": vocab, "max_position_embeddings": 2048},
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     ids = [tok.encode("\n", add_special_tokens=False).ids[-1]] + [tok.token_to_id(t) for t in SCRIPT] + [
         tok.token_to_id(EOS)]

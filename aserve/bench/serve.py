@@ -16,7 +16,7 @@ A structured load (``structured="json_schema"``) gives a share of the requests
 completions, which OpenAI's API does not constrain): a list of small records with no end,
 so the grammar masks every token of every constrained request. The result then also
 splits TTFT, ITL and throughput between constrained and unconstrained requests
-(``by_kind``), and counts the outputs that start as the schema says (``schema_shaped``),
+(``by_kind``), and counts the outputs that hold the schema's start (``schema_shaped``),
 so a server that ignored the constraint cannot pass for a fast one.
 """
 

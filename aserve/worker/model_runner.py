@@ -248,11 +248,12 @@ class ModelRunner:
         )
         for state, token in zip(rows, tokens):
             state.token_ids.append(token)
-        if allowed is not None:
-            advanced = [rows[k].req_id for k in allowed[0]]
-            for rid, k in zip(advanced, allowed[0]):
-                self.grammars.advance(rid, tokens[k])
-            self.grammars.prefetch(advanced)
+        if self.grammars is not None and len(self.grammars):
+            # Every constrained row, active or still before its grammar's start marker.
+            advanced = [(s.req_id, t) for s, t in zip(rows, tokens) if s.req_id in self.grammars]
+            for rid, token in advanced:
+                self.grammars.advance(rid, token)
+            self.grammars.prefetch([rid for rid, _ in advanced])
         req_ids = [s.req_id for s in rows]
         return RunnerOutput(
             req_ids, tokens, {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None}, prompt_logprobs

@@ -125,3 +125,24 @@ def test_offline_benchmarks(llama_dir, tmp_path, kind, extra, keys):
         assert len(result["latencies"]) == 2 and all(x > 0 for x in result["latencies"])
         # Every run pays for its prefill: the same prompts, but the prefix cache emptied.
         assert result["cached_prompt_tokens"] == 0
+
+
+def test_structured_load_constrains_its_share():
+    from aserve.bench.datasets import SampleRequest
+    from aserve.bench.serve import BENCH_SCHEMA, _body
+
+    half = LoadConfig("http://x", "/v1/completions", "m", structured="json_schema", structured_fraction=0.5)
+    assert [half.is_constrained(i) for i in range(6)] == [False, True] * 3
+    every = LoadConfig("http://x", "/v1/chat/completions", "m", structured="json_schema")
+    assert all(every.is_constrained(i) for i in range(5))
+    assert not any(LoadConfig("http://x", "/v1/completions", "m").is_constrained(i) for i in range(5))
+    sample = SampleRequest("hi", 1, 8)
+    assert _body(every, sample, True)["response_format"]["json_schema"]["schema"] == BENCH_SCHEMA
+    assert _body(half, sample, True)["structured_outputs"] == {"json": BENCH_SCHEMA}
+    assert "structured_outputs" not in _body(half, sample, False)
+    results = [RequestResult(4, True, 3, ttft=0.1, latency=0.3, itl=[0.1, 0.1], text='[{"id":1', constrained=True),
+               RequestResult(4, True, 3, ttft=0.2, latency=0.6, itl=[0.2, 0.2], text="free text")]
+    by_kind = summarize(half, results, duration=1.0)["by_kind"]
+    assert by_kind["constrained"]["schema_shaped"] == 1 and by_kind["unconstrained"]["schema_shaped"] == 0
+    assert by_kind["constrained"]["median_itl_ms"] == pytest.approx(100.0)
+    assert by_kind["unconstrained"]["median_itl_ms"] == pytest.approx(200.0)

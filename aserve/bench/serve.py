@@ -48,7 +48,6 @@ BENCH_SCHEMA = {
 @dataclass
 class RequestResult:
     prompt_len: int
-    constrained: bool = False
     success: bool = False
     output_tokens: int = 0
     ttft: float = 0.0
@@ -56,6 +55,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     text: str = ""
     error: str = ""
+    constrained: bool = False  # it carried the structured load's constraint
 
 
 @dataclass(frozen=True)
@@ -132,12 +132,13 @@ async def _one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: A
         with anyio.fail_after(cfg.timeout):
             return await _stream_one(client, cfg, sample, tokenizer, constrained)
     except TimeoutError:
-        return RequestResult(sample.prompt_len, constrained, error=f"no complete response within {cfg.timeout:g} s")
+        return RequestResult(sample.prompt_len, error=f"no complete response within {cfg.timeout:g} s",
+                             constrained=constrained)
 
 
 async def _stream_one(client: Any, cfg: LoadConfig, sample: SampleRequest, tokenizer: Any,
                       constrained: bool) -> RequestResult:
-    result = RequestResult(sample.prompt_len, constrained)
+    result = RequestResult(sample.prompt_len, constrained=constrained)
     chat = cfg.endpoint.endswith("chat/completions")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     start = last = time.perf_counter()

@@ -153,4 +153,4 @@ def test_the_grammar_starts_after_its_marker(llama_dir):
         state.advance("r", token)
     rows, allowed = state.allowed(["free", "r"])
     assert rows == [1] and allowed[0].sum() >= 1
-    assert all(tok.decode([t]) and "yes".startswith(tok.decode([t])) for t in allowed[0].nonzero().flatten().tolist())
+    assert all(tok.decode([t]) and "yes".startswith(tok.decode([t])) for t in allowed[0].nonzero()[0].tolist())

@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 logger = logging.getLogger("aserve.worker")
 
@@ -163,9 +162,9 @@ class GrammarState:
             except OSError:
                 pass
 
-    def allowed(self, req_ids: list[str]) -> tuple[list[int], torch.Tensor] | None:
+    def allowed(self, req_ids: list[str]) -> tuple[list[int], np.ndarray] | None:
         """For the sampling rows ``req_ids``: (indices of the rows under an active grammar,
-        bool [k, vocab] of the tokens each may sample), or None when no row is."""
+        numpy bool [k, vocab] of the tokens each may sample), or None when no row is."""
         if self._ahead is not None:
             self._ahead.result()
             self._ahead = None
@@ -198,4 +197,4 @@ class GrammarState:
             # let the row end rather than sample from nothing.
             allowed = allowed.copy()
             allowed[np.nonzero(empty)[0][:, None], [t for t in self.eos_token_ids if t < self.vocab_size] or [0]] = True
-        return rows, torch.from_numpy(allowed)
+        return rows, allowed

@@ -18,7 +18,9 @@ same numbers in the same order, so all ranks pick the same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from aserve.sampling_params import SamplingParams
@@ -48,18 +50,21 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 allowed: tuple[list[int], torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, V] for N rows; ``allowed``: (row indices, bool [k, V]) of rows
+                 allowed: tuple[list[int], Any] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [N, V] for N rows; ``allowed``: (row indices, numpy bool [k, V]) of rows
         under a grammar. Returns the chosen token ids and, for rows that asked, their
         logprobs (chosen token first, then the top-n)."""
         logits = logits.float()
         n_rows = len(rows)
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        raw_data_ptr = logits.data_ptr() if raw_logprobs is not None else -1
         if any(r.params.min_tokens or r.params.has_penalties for r in rows):
             logits = logits.clone()
             self._apply_min_tokens_and_penalties(logits, rows)
         if allowed is not None:
+            if logits.data_ptr() == raw_data_ptr:
+                logits = logits.clone()  # the masks must not reach the raw logprobs' source
             logits = self._apply_grammar(logits, *allowed)
 
         greedy = [r.params.is_greedy for r in rows]
@@ -95,17 +100,22 @@ class Sampler:
         return token_list, logprob_out
 
     @staticmethod
-    def _apply_grammar(logits: torch.Tensor, row_index: list[int], allowed: torch.Tensor) -> torch.Tensor:
-        """Mask, in rows ``row_index``, every token ``allowed`` [k, V] does not allow."""
-        index = torch.tensor(row_index)
-        width = min(logits.shape[1], allowed.shape[1])
-        sub = logits[index, :width].masked_fill(~allowed[:, :width], _MASK)
-        dead = torch.isneginf(sub.max(dim=-1).values)
-        if bool(dead.any()):  # min_tokens (or a penalty) masked all the grammar allows
-            sub[dead] = torch.zeros(int(dead.sum()), width).masked_fill_(~allowed[dead, :width], _MASK)
-        logits[index, :width] = sub
-        if width < logits.shape[1]:
-            logits[index, width:] = _MASK
+    def _apply_grammar(logits: torch.Tensor, row_index: list[int], allowed: Any) -> torch.Tensor:
+        """Mask, in rows ``row_index``, every token ``allowed`` (bool [k, V], numpy) does
+        not allow. In numpy, on the tensor's memory: a few small array operations, where
+        torch's indexing costs a dispatch each (about 5x the time at 32 rows)."""
+        if not logits.is_contiguous():
+            logits = logits.contiguous()
+        values = logits.numpy()  # the same memory
+        width = min(values.shape[1], allowed.shape[1])
+        sub = values[row_index]  # [k, V], a copy
+        sub[:, :width][~allowed[:, :width]] = _MASK
+        sub[:, width:] = _MASK
+        dead = np.isneginf(sub.max(axis=1))
+        if dead.any():  # min_tokens (or a penalty) masked all the grammar allows
+            sub[dead] = _MASK
+            sub[dead, :width] = np.where(allowed[dead, :width], 0.0, _MASK)
+        values[row_index] = sub
         return logits
 
     @staticmethod

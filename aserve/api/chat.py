@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 
 from aserve.api import tools as tool_calls
@@ -110,8 +111,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Any:
     engine = state.engine
     tok = engine.tokenizer
     tools = tool_calls.check_tools(req.tools)
-    choice = tool_calls.resolve_choice(req.tool_choice, tools,
-                                       state.tool_call_parser if state.enable_auto_tool_choice else None)
+    parser = state.tool_call_parser if state.enable_auto_tool_choice else None
+    choice = tool_calls.resolve_choice(req.tool_choice, tools, parser)
     forced = tool_calls.forced_constraint(choice, tools, req.parallel_tool_calls)
     constraint = req.output_constraint()
     if forced is not None and constraint is not None:
@@ -119,12 +120,12 @@ async def create_chat_completion(state: ServerState, request: Request) -> Any:
                            f"constrains the output already: drop {constraint[0]}", param=constraint[0])
     prompt = engine.render_chat(tool_calls.template_messages(req.messages),
                                 add_generation_prompt=req.add_generation_prompt,
-                                tools=[msgspec_to_builtins(t) for t in req.tools] if req.tools else None,
+                                tools=[msgspec.to_builtins(t) for t in req.tools] if req.tools else None,
                                 template_kwargs=req.chat_template_kwargs)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(max_tokens=req.requested_max_tokens(), logprobs=logprobs)
     if forced is not None:
-        params = _with_constraint(params, forced)
+        params = msgspec.structs.replace(params, structured_outputs=forced)
     grammar_after: tuple[int, ...] = ()
     if state.reasoning_parser is not None and not prompt_closed_thinking(prompt["prompt"]):
         grammar_after = tuple(tok.encode(THINK_END, add_special_tokens=False))  # constrain the answer only
@@ -132,7 +133,6 @@ async def create_chat_completion(state: ServerState, request: Request) -> Any:
     prepared = engine.prepare(prompt, params, grammar_after=grammar_after, constraint_param=source)
     rank = dp_rank(state, request, req)
     rid, created, model, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name, params.n
-    parser = state.tool_call_parser if state.enable_auto_tool_choice else None
     replies = [_Reply(i, ReasoningStream(state.reasoning_parser) if state.reasoning_parser else None,
                       tool_calls.call_stream(choice, parser)) for i in range(n)]
     usage = {"prompt_tokens": len(prepared.token_ids), "completion_tokens": 0}
@@ -213,15 +213,3 @@ async def create_chat_completion(state: ServerState, request: Request) -> Any:
                      "choices": body_choices, "usage": usage_body(usage)}
 
     return ComputedJSONResponse(compute, disconnected(state))
-
-
-def msgspec_to_builtins(value: Any) -> Any:
-    import msgspec
-
-    return msgspec.to_builtins(value, builtin_types=None)
-
-
-def _with_constraint(params: Any, constraint: Any) -> Any:
-    import msgspec
-
-    return msgspec.structs.replace(params, structured_outputs=constraint)

@@ -147,9 +147,6 @@ class EngineArgs:
             health=HealthConfig(heartbeat_timeout=self.heartbeat_timeout, startup_timeout=self.startup_timeout),
         )
 
-    def replace(self, **changes: Any) -> EngineArgs:
-        return dataclasses.replace(self, **changes)
-
 
 def _check_field(f: dataclasses.Field, value: Any) -> None:
     name, meta = f.name, f.metadata
@@ -211,14 +208,6 @@ def parse_bytes(text: str) -> int:
 def flag(name: str) -> str:
     """The command-line flag of field ``name``."""
     return "--" + name.replace("_", "-")
-
-
-def flags_of(name: str) -> tuple[str, ...]:
-    """Every flag that sets field ``name`` (its own first, then aliases)."""
-    for f in fields(EngineArgs):
-        if f.name == name:
-            return (flag(name), *f.metadata["aliases"])
-    return ()
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser, *, model_positional: bool) -> None:

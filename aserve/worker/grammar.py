@@ -15,22 +15,16 @@ once per text (later requests copy it) against the model's vocabulary read from
 runs free until those tokens appear in its output. A preempted request comes back with
 its tokens so far, and its matcher is rebuilt and fed them again.
 
-The masks are computed ahead, off the step's path: once a step's tokens are consumed,
-:meth:`GrammarState.prefetch` hands the advanced matchers to a thread of this worker,
-which fills their next masks (llguidance works with the GIL released) while the next
-forward pass runs; the next step's :meth:`GrammarState.allowed` then only waits for it
-(and computes, on the spot, the rows it did not have: a request new to this step). Where
-the worker's torch threads leave cores to the front end (``cpu_plan``), that thread runs
-on those cores. On two busy cores this measured the same as computing the masks in the
-step (``docs/performance.md``): the work still takes a core someone needs.
+The masks are computed in the step, for the batch's constrained rows in one llguidance
+call. Computing them ahead, on a thread, while the next forward pass ran was measured and
+not kept: on two busy cores it gave the same throughput (``docs/performance.md``), since
+the work still takes a core someone needs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,23 +46,17 @@ class _Constrained:
 
 
 class GrammarState:
-    """The matchers of one worker's constrained requests. ``close()`` joins its thread."""
+    """The matchers of one worker's constrained requests."""
 
-    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...], *,
-                 mask_cpus: tuple[int, ...] | None = None) -> None:
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
         self.eos_token_ids = eos_token_ids
-        self.mask_cpus = mask_cpus  # where the mask thread runs (None: anywhere)
         self._tokenizer: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
         self._words = (vocab_size + 31) // 32
         self._executor_: Any = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._ahead: Future | None = None  # the masks being computed ahead
-        self._ahead_rows: dict[str, tuple[Any, int]] = {}  # req id -> (its matcher then, row of _ahead_bits)
-        self._ahead_bits = np.zeros((0, self._words), dtype=np.int32)
 
     @property
     def _executor(self) -> Any:
@@ -79,15 +67,6 @@ class GrammarState:
             # would take cores from the forward pass.
             self._executor_ = llguidance.LLExecutor(num_threads=1)
         return self._executor_
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-    def _fill(self, matchers: list[tuple[Any, int]], bits: np.ndarray) -> None:
-        if matchers:
-            self._executor.unsafe_compute_mask_ptr(matchers, bits.ctypes.data, self._words * 4, bits.shape[0])
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -142,60 +121,25 @@ class GrammarState:
         if tuple(state.recent) == state.after:
             state.active, state.recent = True, []
 
-    def prefetch(self, req_ids: list[str]) -> None:
-        """Start computing the next masks of these requests (just advanced), in the
-        background; nothing may advance them until :meth:`allowed` has used them."""
-        matchers = [(state.matcher, rid) for rid in req_ids
-                    if (state := self._requests.get(rid)) is not None and state.active]
-        if not matchers:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="aserve-grammar", initializer=self._pin)
-        bits = np.zeros((len(matchers), self._words), dtype=np.int32)
-        self._ahead_bits = bits
-        self._ahead_rows = {rid: (matcher, k) for k, (matcher, rid) in enumerate(matchers)}
-        self._ahead = self._pool.submit(self._fill, [(m, k) for k, (m, _) in enumerate(matchers)], bits)
-
-    def _pin(self) -> None:
-        if self.mask_cpus:
-            try:
-                os.sched_setaffinity(0, self.mask_cpus)  # this thread only
-            except OSError:
-                pass
-
     def allowed(self, req_ids: list[str]) -> tuple[list[int], np.ndarray] | None:
         """For the sampling rows ``req_ids``: (indices of the rows under an active grammar,
         numpy bool [k, vocab] of the tokens each may sample), or None when no row is."""
-        if self._ahead is not None:
-            self._ahead.result()
-            self._ahead = None
         rows: list[int] = []
-        taken: list[int] = []  # per row: its row in _ahead_bits, or -1
-        missing: list[tuple[Any, int]] = []
+        matchers: list[tuple[Any, int]] = []
         for i, rid in enumerate(req_ids):
             state = self._requests.get(rid)
-            if state is None or not state.active:
-                continue
-            ahead = self._ahead_rows.get(rid)
-            if ahead is not None and ahead[0] is state.matcher:
-                taken.append(ahead[1])
-            else:
-                taken.append(-1)
-                missing.append((state.matcher, len(rows)))
-            rows.append(i)
+            if state is not None and state.active:
+                matchers.append((state.matcher, len(rows)))
+                rows.append(i)
         if not rows:
             return None
         bits = np.zeros((len(rows), self._words), dtype=np.int32)
-        have = [k for k, row in enumerate(taken) if row >= 0]
-        if have:
-            bits[have] = self._ahead_bits[[taken[k] for k in have]]
-        self._fill(missing, bits)  # a matcher in error yields an empty mask
-        self._ahead_rows = {}
+        # One call for the batch, with the GIL released (a matcher in error yields an empty mask).
+        self._executor.unsafe_compute_mask_ptr(matchers, bits.ctypes.data, self._words * 4, len(rows))
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size].view(bool)
         empty = ~allowed.any(axis=1)
         if empty.any():
             # A matcher in error (a token it refused, from a row the engine drops anyway):
             # let the row end rather than sample from nothing.
-            allowed = allowed.copy()
             allowed[np.nonzero(empty)[0][:, None], [t for t in self.eos_token_ids if t < self.vocab_size] or [0]] = True
         return rows, allowed

@@ -253,7 +253,6 @@ class ModelRunner:
             advanced = [(s.req_id, t) for s, t in zip(rows, tokens) if s.req_id in self.grammars]
             for rid, token in advanced:
                 self.grammars.advance(rid, token)
-            self.grammars.prefetch([rid for rid, _ in advanced])
         req_ids = [s.req_id for s in rows]
         return RunnerOutput(
             req_ids, tokens, {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None}, prompt_logprobs

@@ -75,9 +75,8 @@ class Worker:
         if on_cpu:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,
-                                  device=self.device, grammars=GrammarState(
-                                      model_dir, arch.vocab_size, arch.eos_token_ids,
-                                      mask_cpus=config.parallel.frontend_cpus()))
+                                  device=self.device,
+                                  grammars=GrammarState(model_dir, arch.vocab_size, arch.eos_token_ids))
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(
             config.cache.num_blocks,
@@ -87,11 +86,6 @@ class Worker:
             dtype=self.kv_dtype,
             model_dtype=self.dtype,
         )
-
-    def close(self) -> None:
-        """Join the threads this rank started (the structured-output mask thread)."""
-        if self.runner.grammars is not None:
-            self.runner.grammars.close()
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute_model(sched)

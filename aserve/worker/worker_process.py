@@ -122,10 +122,7 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
         tp = _join_tp_group(cfg, device)
     try:
         worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0)
-        try:
-            _serve_calls(cfg, worker, broadcast, response, heartbeats)
-        finally:
-            worker.close()
+        _serve_calls(cfg, worker, broadcast, response, heartbeats)
     finally:
         if tp.comm is not None:
             tp.comm.close()

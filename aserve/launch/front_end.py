@@ -97,8 +97,10 @@ class FrontEnd:
                                               client_index=i)
                     self.apis.append(self._spawn_api(spawn, sock, i, attach, None))
             else:
-                await self._start_multi_node(spawn, sock, fitted, local_ranks, heartbeat_name)
+                # The fixed handshake port first: the children's tcp://HOST:0 binds take
+                # ports from the kernel's ephemeral range, which may hold it.
                 handshake_sock = self._bind_handshake(ctx)
+                await self._start_multi_node(spawn, sock, fitted, local_ranks, heartbeat_name)
             sock.close()  # the API servers hold their own copies
             self._announce(bound_port, tp)
 

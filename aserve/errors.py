@@ -10,6 +10,7 @@
     │   └── ConfigError: an engine setting is invalid or does not fit the model
     ├── ModelLoadError: a model directory cannot be loaded
     │   ├── UnsupportedArchitectureError
+    │   ├── UnsupportedModelFeatureError: a rope type, activation or quantization aserve lacks
     │   ├── ModelFileNotFoundError (also FileNotFoundError)
     │   └── CorruptModelFileError
     ├── EngineDeadError: an engine process died; nothing more will be served
@@ -62,6 +63,15 @@ class ModelLoadError(AserveError):
 
 class UnsupportedArchitectureError(ModelLoadError):
     """``config.json`` names an architecture aserve does not implement."""
+
+
+class UnsupportedModelFeatureError(ModelLoadError):
+    """``config.json`` asks for something aserve does not implement (a rope type, an
+    activation, a quantization); ``field`` names the config key."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ModelFileNotFoundError(ModelLoadError, FileNotFoundError):

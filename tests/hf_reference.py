@@ -20,10 +20,12 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
 
 
-def load_hf(model_dir: Path):
+def load_hf(model_dir: Path, *, eager: bool = False):
+    """``eager``: transformers' eager attention (Gemma 2's soft-capping has no other)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    kwargs = {"attn_implementation": "eager"} if eager else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
     return model.eval()
 
 

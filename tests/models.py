@@ -37,7 +37,47 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
     # q/k RMSNorm, head_dim 32 with hidden 64, dynamic rope.
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=False,
                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "new_rope"),
+    # Local layers of 8 tokens alternating with global ones, both soft-caps small enough
+    # to bite, query_pre_attn_scalar != head_dim, GeGLU, (1 + w) norms, sqrt(hidden) embeddings.
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                                    final_logit_softcapping=2.0, num_hidden_layers=3), "new_rope"),
+    # Two local layers (their own rope base) to one global, per-head (1 + w) q/k norms.
+    "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                                        sliding_window_pattern=3, num_hidden_layers=4, query_pre_attn_scalar=16,
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                            "rope_theta": 1e6},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}}), "new_rope"),
+    # Fused qkv_proj / gate_up_proj in the checkpoint, longrope, half of each head rotated.
+    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0,
+                                original_max_position_embeddings=256,
+                                rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2],
+                                              "long_factor": [2.0, 3.0, 4.0, 5.0]}), "new_rope"),
+    # Norms after each block only; q/k norms over the whole projection.
+    "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2), "new_rope"),
+    "granite": ("GraniteConfig", dict(num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0,
+                                      attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5),
+                "new_rope"),
+    # Layers 3 and 7 without rotary, and sliding (8 tokens) there.
+    "smollm3": ("SmolLM3Config", dict(pad_token_id=0, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+                                      use_sliding_window=True, sliding_window=8, no_rope_layer_interval=2),
+                "new_rope"),
+    # Top-2 of 4 experts, renormalised; layer 1 dense (mlp_only_layers).
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                         mlp_only_layers=[1], num_hidden_layers=3), "new_rope"),
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2), "new_rope"),
+    # Top-2 of 4 without renormalisation, and the gated shared expert.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, norm_topk_prob=False), "new_rope"),
 }
+
+#: Variants whose reference runs transformers' eager attention (Gemma 2's soft-capping
+#: has no SDPA form; the others' masks are simplest to trust there).
+EAGER = {"gemma2", "gemma3", "smollm3"}
 
 
 def build_model(name: str, out_dir: Path, *, seed: int = 0, shard: bool = False) -> Path:
@@ -45,7 +85,7 @@ def build_model(name: str, out_dir: Path, *, seed: int = 0, shard: bool = False)
     import transformers
 
     config_class, kwargs, rope_form = VARIANTS[name]
-    config = getattr(transformers, config_class)(**_COMMON, **kwargs)
+    config = getattr(transformers, config_class)(**{**_COMMON, **kwargs})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, max_shard_size="100KB" if shard else "10GB")

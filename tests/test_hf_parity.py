@@ -7,7 +7,7 @@ import torch
 
 from aserve import LLM, SamplingParams
 from tests.hf_reference import hf_greedy, hf_logprobs, load_hf
-from tests.models import VARIANTS
+from tests.models import EAGER, VARIANTS
 
 PROMPTS = [
     "Hello world",
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 def references(model_dirs):
     refs = {}
     for name, path in model_dirs.items():
-        hf = load_hf(path)
+        hf = load_hf(path, eager=name in EAGER)
         llm_tok = LLM(str(path), kv_cache_memory=1 << 24).get_tokenizer()
         prompts = [llm_tok.encode(p) for p in PROMPTS]
         refs[name] = (prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts], hf)

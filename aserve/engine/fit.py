@@ -88,9 +88,6 @@ def fit_config(config: EngineConfig) -> FittedConfig:
         )
     capacity = (num_blocks - 1) * block_size
     limit = arch.max_position_embeddings
-    window = arch.raw.get("sliding_window")
-    if isinstance(window, int) and window > 0 and arch.raw.get("use_sliding_window", True):
-        limit = min(limit, window)  # aserve attends to the whole sequence: stay inside the window
     requested = config.model.max_model_len
     if requested is None:
         max_model_len = min(limit, capacity)

@@ -136,8 +136,18 @@ def paged_attention(
     layer_kv: LayerKV,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend; returns [T, Hq, D]."""
+    """Write this step's K/V into the cache, then attend; returns [T, Hq, D].
+
+    ``window``: a sliding-window layer's width (a query at position p sees the keys at
+    p - window + 1 .. p, as Hugging Face's masks say); ``softcap``: the attention logits
+    become ``softcap * tanh(logits / softcap)`` before the softmax (Gemma 2). Either
+    takes the masked path (:func:`masked_attention`), which the C kernels do not cover."""
+    if window is not None or softcap is not None:
+        return masked_attention(q, k, v, layer_kv, meta, scale, window, softcap)
     kv_cache = layer_kv.paged
     nd = meta.num_decode_tokens
     if nd and meta.decode_kernel is not None:
@@ -213,3 +223,69 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_k
     return F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
     ).squeeze(2)  # [B, Hq, D]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: LayerKV, meta: AttentionMetadata,
+                     scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Attention with a sliding window and/or logit soft-capping, in torch, over the
+    paged cache: the path of the layers the C kernels do not cover. A decode row reads
+    only the blocks that hold its window; the masks are built from positions, so a chunk
+    after cached context (a prefix hit, or a later chunk) sees exactly the keys a full
+    forward pass would."""
+    kv_cache = layer_kv.paged
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        table = meta.decode_block_table
+        seq_lens = meta.decode_seq_lens.to(table.device)
+        dev = table.device
+        bs = kv_cache.shape[2]
+        first_pos = torch.zeros_like(seq_lens) if window is None else (seq_lens - window).clamp(min=0)
+        first_block = first_pos // bs
+        span = int(((seq_lens - 1) // bs - first_block).max()) + 1  # blocks each row reads
+        cols = (first_block.unsqueeze(1) + torch.arange(span, device=dev)).clamp(max=table.shape[1] - 1)
+        blocks = table.gather(1, cols)  # [Nd, span]
+        keys = gather_blocks(kv_cache[0], blocks).to(q.dtype)  # [Nd, span * bs, Hk, D]
+        values = gather_blocks(kv_cache[1], blocks).to(q.dtype)
+        pos = first_block.unsqueeze(1) * bs + torch.arange(span * bs, device=dev)  # [Nd, S] each key's position
+        visible = (pos < seq_lens.unsqueeze(1)) & (pos >= first_pos.unsqueeze(1))
+        out[:nd] = _attend(q[:nd].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                           visible[:, None, None, :], scale, softcap).squeeze(2)
+    for chunk in meta.prefills:
+        n_q = chunk.end - chunk.start
+        if chunk.block_ids is None:
+            keys = as_stored(k[chunk.start : chunk.end], kv_cache.dtype)
+            values = as_stored(v[chunk.start : chunk.end], kv_cache.dtype)
+        else:
+            keys = gather_blocks(kv_cache[0], chunk.block_ids).to(q.dtype)
+            values = gather_blocks(kv_cache[1], chunk.block_ids).to(q.dtype)
+        q_pos = chunk.context_len + torch.arange(n_q, device=q.device).unsqueeze(1)  # [S, 1]
+        k_pos = torch.arange(keys.shape[0], device=q.device).unsqueeze(0)  # [1, Sk]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, S, D]
+        o = _attend(qc, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), visible, scale,
+                    softcap)
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """[B, Hq, S, D] queries over [B, Hk, Sk, D] keys and values where ``visible``
+    (broadcast to [B, Hq, S, Sk]) allows. With ``softcap``, the eager form Hugging Face's
+    Gemma 2 computes: scores in the model's dtype, capped, softmax in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale,
+                                              enable_gqa=q.shape[1] != keys.shape[1])
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)

@@ -91,11 +91,7 @@ def load_model(model_dir: Path, arch: ArchConfig, *, dtype: torch.dtype, max_pos
                 continue
             if arch.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            shard_id = None
-            for fragment, merged, part in model_class.stacked_params:
-                if fragment in name:
-                    name, shard_id = name.replace(fragment, merged), part
-                    break
+            name, shard_id = model_class.checkpoint_param(name)
             param = params.get(name)
             if param is None:
                 raise CorruptModelFileError(f"{source.name} in the checkpoint has no place in {arch.architecture}")

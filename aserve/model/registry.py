@@ -17,10 +17,19 @@ if TYPE_CHECKING:
 
 #: architecture name -> (module, class name)
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("aserve.model.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("aserve.model.models.gemma3", "Gemma3ForCausalLM"),
+    "GraniteForCausalLM": ("aserve.model.models.granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("aserve.model.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("aserve.model.models.llama", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("aserve.model.models.mixtral", "MixtralForCausalLM"),
+    "Olmo2ForCausalLM": ("aserve.model.models.olmo2", "Olmo2ForCausalLM"),
+    "Phi3ForCausalLM": ("aserve.model.models.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("aserve.model.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("aserve.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("aserve.model.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("aserve.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "SmolLM3ForCausalLM": ("aserve.model.models.smollm3", "SmolLM3ForCausalLM"),
 }
 
 

@@ -202,6 +202,8 @@ class ModelRunner:
                 length = num_blocks * bs
                 decode_table = block_table[:num_decode, :num_blocks]
                 gathered = decode_table.numel()
+            if decode_table is None:  # the masked path (sliding windows, soft-capping) reads the blocks itself
+                decode_table = block_table[:num_decode]
             if int(seq_lens.min()) < length:
                 masked = torch.arange(length).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [Nd, L]
                 decode_mask = torch.zeros(masked.shape, dtype=self.model_dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]

@@ -9,8 +9,13 @@ from aserve.kernels.attention import AttentionMetadata, LayerKV, paged_attention
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 window: int | None = None, softcap: float | None = None) -> None:
+        """``window``: a sliding-window layer's width; ``softcap``: the attention logits'
+        soft cap (see :func:`~aserve.kernels.attention.paged_attention`)."""
         super().__init__()
+        self.window = window
+        self.softcap = softcap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -24,4 +29,4 @@ class Attention(nn.Module):
         kv_cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)  # [T, Hq, D]

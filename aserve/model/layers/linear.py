@@ -190,12 +190,33 @@ class ColumnParallelLinear(_Linear):
         return (full_rows, self.in_features) if ndim == 2 else (full_rows,)
 
     def _load(self, param: torch.Tensor, source: TensorSource, shard_id: Any = None) -> None:
+        if shard_id == "fused":
+            self._load_fused(param, source)
+            return
         offset, rows, start = self._part_range(shard_id)
         expect_full_shape(source, self._full_part_shape(shard_id, rows, param.dim()))
         loaded = source.read(slice(start, start + rows))
         target = param.data.narrow(0, offset, rows)
         check_shape(target, loaded, source.name)
         target.copy_(loaded)
+
+    def _part_ids(self) -> list[Any]:
+        return list(range(len(self.local_sizes)))
+
+    def _load_fused(self, param: torch.Tensor, source: TensorSource) -> None:
+        """A checkpoint that stores this layer's parts as one tensor, stacked in order
+        (Phi-3's ``qkv_proj`` and ``gate_up_proj``): each part's rows for this rank."""
+        parts = self._part_ids()
+        full = [self._full_part_shape(part, self._part_range(part)[1], param.dim())[0] for part in parts]
+        expect_full_shape(source, (sum(full), self.in_features) if param.dim() == 2 else (sum(full),))
+        base = 0
+        for part, full_rows in zip(parts, full):
+            offset, rows, start = self._part_range(part)
+            loaded = source.read(slice(base + start, base + start + rows))
+            target = param.data.narrow(0, offset, rows)
+            check_shape(target, loaded, source.name)
+            target.copy_(loaded)
+            base += full_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -228,6 +249,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         full_rows = rows * self.tp.size if shard_id == "q" else self._num_kv_heads * self.head_dim
         return (full_rows, self.in_features) if ndim == 2 else (full_rows,)
 
+    def _part_ids(self) -> list[Any]:
+        return ["q", "k", "v"]
+
     def _part_range(self, shard_id: Any) -> tuple[int, int, int]:
         index = {"q": 0, "k": 1, "v": 2}[shard_id]
         offset = sum(self.local_sizes[:index])
@@ -242,9 +266,13 @@ class RowParallelLinear(_Linear):
     The bias is added once, after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup, dtype: torch.dtype,
+                 reduce: bool = True) -> None:
+        """``reduce=False`` returns this rank's partial sum, for a caller that adds it to
+        others before one all-reduce (a MoE layer's shared expert)."""
         super().__init__()
         self.tp = tp
+        self.reduce = reduce
         start, end = tp.shard(in_features, "input features")
         self._cols = (start, end)
         self._full_shape = (out_features, in_features)
@@ -258,5 +286,7 @@ class RowParallelLinear(_Linear):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self._matmul(x, None))
+        y = self._matmul(x, None)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,4 +1,5 @@
-"""Llama (and Mistral, which has the same layout) built from tensor-parallel layers.
+"""Llama (and Mistral, which has the same layout) built from tensor-parallel layers, and
+the options every other decoder-only architecture is made of.
 
 One decoder layer::
 
@@ -10,11 +11,20 @@ One decoder layer::
 Each "+ x" is done by the norm that follows it (one fused call on CPU), so a layer
 returns (its MLP output, the residual) and the next layer's first norm adds them.
 
-Subclasses change only what differs: Qwen2 has biases on q/k/v, Qwen3 RMS-normalises
-q and k per head.
+Every other architecture is this model with options (:class:`DecoderOptions`, set by
+its class in its own file, and the per-layer facts of :class:`ArchConfig`): the norms'
+placement (Gemma's before and after each block, OLMo 2's after only) and their
+``1 + weight`` form; q/k norms per head or over the whole projection; biases; a GeGLU
+MLP; a mixture of experts in place of the MLP; sliding-window and soft-capped attention;
+rotary per layer (Gemma 3's local base, SmolLM3's layers without it, partial rotary);
+embedding, residual and logit multipliers. :meth:`LlamaModel.fast_path_blockers` says
+which options the one-call decode stack cannot compute.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,44 +39,86 @@ from aserve.model.hf_config import ArchConfig
 from aserve.model.layers.attention import Attention
 from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from aserve.model.layers.norm import RMSNorm
+from aserve.model.layers.moe import MoEMLP, activation, expert_param
+from aserve.model.layers.norm import RMSNorm, ShardedRMSNorm
 from aserve.model.layers.rotary import RotaryEmbedding
 
 
-class LlamaAttention(nn.Module):
-    qkv_bias_override: bool | None = None  # Qwen2: always True
-    o_bias_override: bool | None = None  # Qwen2: always False
-    use_qk_norm = False
+@dataclass(frozen=True)
+class DecoderOptions:
+    """What an architecture changes in the Llama layer (its class sets them)."""
 
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, *, tp: TPGroup, dtype: torch.dtype) -> None:
+    #: ``pre``: a norm before attention and before the MLP (Llama); ``sandwich``: before and
+    #: after each (Gemma 2 and 3); ``post``: after each only (OLMo 2).
+    norm_layout: str = "pre"
+    norm_offset: float = 0.0  # Gemma: norms scale by 1 + weight
+    qk_norm: str | None = None  # "head": per head (Qwen3, Gemma 3); "full": over the projection (OLMo 2)
+    qkv_bias: bool | None = None  # None: the config's attention_bias
+    o_bias: bool | None = None
+    embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings times sqrt(hidden), in the model dtype
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, opts: DecoderOptions, rotary: RotaryEmbedding | None, layer: int, *,
+                 tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        qkv_bias = cfg.attention_bias if self.qkv_bias_override is None else self.qkv_bias_override
-        o_bias = cfg.attention_bias if self.o_bias_override is None else self.o_bias_override
+        qkv_bias = cfg.attention_bias if opts.qkv_bias is None else opts.qkv_bias
+        o_bias = cfg.attention_bias if opts.o_bias is None else opts.o_bias
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, bias=qkv_bias, tp=tp, dtype=dtype
         )
+        self.tp = tp
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias, tp=tp, dtype=dtype)
-        if self.use_qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.qk_norm = opts.qk_norm
+        self.use_qk_norm = opts.qk_norm == "head"
+        if opts.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, offset=opts.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, offset=opts.norm_offset)
+        elif opts.qk_norm == "full":
+            q_start = tp.rank * self.q_size
+            kv_rank = tp.rank // self.qkv_proj._kv_replicas
+            self.q_norm = ShardedRMSNorm(cfg.num_attention_heads * cfg.head_dim, q_start, q_start + self.q_size,
+                                         cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = ShardedRMSNorm(cfg.num_key_value_heads * cfg.head_dim, kv_rank * self.kv_size,
+                                         (kv_rank + 1) * self.kv_size, cfg.rms_norm_eps, dtype=dtype,
+                                         replicas=self.qkv_proj._kv_replicas)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.window = cfg.window_of(layer)
+        self.softcap = cfg.attn_softcap
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale,
+                              window=self.window, softcap=self.softcap)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, kv_cache: LayerKV,
+                meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x).view(n, -1, self.head_dim)  # [T, Hq + 2 Hk, D]
+        qkv = self.qkv_proj(x)
+        if self.qk_norm == "full":
+            qkv = self._norm_projections(qkv)
+        qkv = qkv.view(n, -1, self.head_dim)  # [T, Hq + 2 Hk, D]
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.use_qk_norm:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = self.rotary(rope, qk)  # [T, Hq + Hk, D]
+        if self.rotary is not None:
+            assert rope is not None
+            qk = self.rotary(rope, qk)  # [T, Hq + Hk, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.attn(q, k, v, kv_cache, meta)  # [T, Hq, D]; k and v are strided views
         return self.o_proj(o.reshape(n, self.q_size))
+
+    def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
+        """OLMo 2: RMSNorm over the whole q and the whole k projection; under TP the
+        sums of squares of both are all-reduced together (one small all-reduce)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        squares = torch.stack((self.q_norm.sum_squares(q), self.k_norm.sum_squares(k)), dim=-1)  # [T, 2]
+        if self.tp.size > 1:
+            squares = self.tp.all_reduce(squares.contiguous())
+        return torch.cat((self.q_norm.apply(q, squares[:, 0]), self.k_norm.apply(k, squares[:, 1]), v), dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -78,38 +130,69 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=False, tp=tp, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False, tp=tp, dtype=dtype)
+        self.hidden_act = cfg.hidden_act
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_ops is not None and self.fused_ops.supports(gate_up):
+        if self.hidden_act == "silu" and self.fused_ops is not None and self.fused_ops.supports(gate_up):
             return self.down_proj(self.fused_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        # In place on SiLU's fresh output: one large temporary fewer.
-        return self.down_proj(F.silu(gate).mul_(up))
+        # In place on the activation's fresh output: one large temporary fewer.
+        return self.down_proj(self.act(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_class: type[LlamaAttention] = LlamaAttention
-
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, *, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, opts: DecoderOptions, rotary: RotaryEmbedding | None, layer: int, *,
+                 tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = self.attention_class(cfg, rotary, tp=tp, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = LlamaMLP(cfg, tp=tp, dtype=dtype)
+        eps, offset = cfg.rms_norm_eps, opts.norm_offset
+        self.layout = opts.norm_layout
+        if self.layout != "post":
+            self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype=dtype, offset=offset)
+        self.self_attn = LlamaAttention(cfg, opts, rotary, layer, tp=tp, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype=dtype, offset=offset)
+        if self.layout != "pre":
+            if self.layout == "sandwich":
+                self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, dtype=dtype, offset=offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, dtype=dtype, offset=offset)
+        if cfg.moe is not None and cfg.moe.sparse_layers[layer]:
+            self.mlp: nn.Module = MoEMLP(cfg.hidden_size, cfg.moe, cfg.hidden_act, tp=tp, dtype=dtype)
+        else:
+            self.mlp = LlamaMLP(cfg, tp=tp, dtype=dtype)
+        self.residual_multiplier = cfg.residual_multiplier
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: LayerKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual)``: the skip connection is added by the next norm
         (``x + residual`` is the hidden state Hugging Face's layer returns)."""
+        if self.layout == "post":
+            return self._forward_post_norms(rope, x, residual, kv_cache, meta)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(rope, h, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        if self.layout == "sandwich":
+            h = self.post_attention_layernorm(h)
+            h, residual = self.pre_feedforward_layernorm(self._scaled(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm(self._scaled(h), residual)
+        return self._scaled(self.mlp(h)), residual
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """A block's output before the residual add (Granite's residual multiplier)."""
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
+
+    def _forward_post_norms(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
+                            residual: torch.Tensor | None, kv_cache: LayerKV,
+                            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2: no norm before a block, one after each: ``x + norm(block(x))``."""
+        hidden = x if residual is None else x + residual
+        h = self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
+        hidden = hidden + h
+        return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
 
 
 def _stack_weight(lin: ColumnParallelLinear | RowParallelLinear,
@@ -126,13 +209,59 @@ class LlamaModel(nn.Module):
     #: Every layer of a decode step in one C call (:meth:`attach_decode_stack`), when it applies.
     decode_stack: DecodeStack | None = None
 
-    def __init__(self, cfg: ArchConfig, layer_class: type[LlamaDecoderLayer], max_positions: int, *, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, opts: DecoderOptions, max_positions: int, *, tp: TPGroup,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_positions, dtype=dtype)
+        rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_positions, dtype=dtype,
+                                 rotary_dim=rotary_dim)
         self.rotary = rotary
-        self.layers = nn.ModuleList(layer_class(cfg, rotary, tp=tp, dtype=dtype) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(
+            cfg.local_rope, cfg.head_dim, cfg.max_position_embeddings, max_positions, dtype=dtype, rotary_dim=rotary_dim)
+        # Per layer: 0 the global rotary, 1 the sliding layers' own, None no rotary.
+        self.rope_of_layer: list[int | None] = []
+        for i in range(cfg.num_hidden_layers):
+            if cfg.rope_layers and not cfg.rope_layers[i]:
+                self.rope_of_layer.append(None)
+            else:
+                self.rope_of_layer.append(1 if self.local_rotary is not None and cfg.window_of(i) is not None else 0)
+        rotaries = (rotary, self.local_rotary)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, opts, None if r is None else rotaries[r], i, tp=tp, dtype=dtype)
+            for i, r in enumerate(self.rope_of_layer))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=opts.norm_offset)
+        self.embed_scale: float | None = None
+        if opts.embed_scale_sqrt_hidden:
+            # Rounded to the model dtype as Hugging Face does (sqrt(3072) is 55.5 in bf16).
+            self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5).to(dtype))
+        elif cfg.embedding_multiplier is not None:
+            self.embed_scale = cfg.embedding_multiplier
+
+    def fast_path_blockers(self) -> list[str]:
+        """Why the one-call decode stack cannot run these layers (empty: it can): each
+        option of :class:`DecoderOptions` and of the config it does not compute."""
+        layers = list(self.layers)
+        reasons = []
+        if any(layer.layout != "pre" for layer in layers):
+            reasons.append(f"{layers[0].layout} norms")
+        if any(layer.self_attn.window is not None for layer in layers):
+            reasons.append("sliding-window attention")
+        if any(layer.self_attn.softcap is not None for layer in layers):
+            reasons.append("attention soft-capping")
+        if any(layer.self_attn.qk_norm == "full" for layer in layers):
+            reasons.append("q/k norms over the whole projection")
+        if any(layer.self_attn.rotary is not self.rotary for layer in layers):
+            reasons.append("rotary that differs between layers")
+        if self.rotary.rotary_dim != layers[0].self_attn.head_dim:
+            reasons.append("partial rotary")
+        if any(not isinstance(layer.mlp, LlamaMLP) for layer in layers):
+            reasons.append("mixture-of-experts layers")
+        elif any(layer.mlp.hidden_act != "silu" for layer in layers):
+            reasons.append(f"{layers[0].mlp.hidden_act} activation")
+        if any(layer.residual_multiplier != 1.0 for layer in layers):
+            reasons.append("residual multipliers")
+        return reasons
 
     def attach_decode_stack(self, kernel: LlamaDecodeKernel) -> bool:
         """Run decode steps through ``kernel`` (one C call for every layer) if this
@@ -143,7 +272,7 @@ class LlamaModel(nn.Module):
         a multiple of 32 (the summed outputs are then unpadded). Returns whether it was
         attached (the stack checks the weights' dtype)."""
         layers = list(self.layers)
-        if not layers or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
+        if not layers or self.fast_path_blockers() or type(self.norm) is not RMSNorm or self.rotary.fused_ops is None:
             return False
         tensors = []
         first_forms: list[tuple[torch.Tensor, int, int]] = []  # the first layer's: every layer has its widths
@@ -152,7 +281,7 @@ class LlamaModel(nn.Module):
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             forms = [_stack_weight(lin, kernel) for lin in linears]
             if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
-                    or type(mlp).forward is not LlamaMLP.forward or attn.rotary is not self.rotary
+                    or type(mlp).forward is not LlamaMLP.forward
                     or any(form is None for form in forms) or any(lin.tp is not attn.o_proj.tp for lin in linears)
                     or any(lin.bias is not None for lin in linears[1:])
                     or mlp.fused_ops is None
@@ -187,6 +316,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         rope = self.rotary.gather(positions)  # once for all layers
         if self.decode_stack is not None and not meta.prefills and meta.decode_kernel is not None:
             # Decode rows only: every layer in one C call, bit-identical to the loop below.
@@ -195,9 +326,10 @@ class LlamaModel(nn.Module):
             x, residual = self.decode_stack.run(x, rope[0], rope[1], [kv.paged for kv in kv_caches],
                                                 meta.decode_block_table, meta.decode_seq_lens)
             return self.norm(x, residual)[0]
+        ropes = (rope, None if self.local_rotary is None else self.local_rotary.gather(positions))
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        for layer, r, kv_cache in zip(self.layers, self.rope_of_layer, kv_caches):
+            x, residual = layer(None if r is None else ropes[r], x, residual, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]
@@ -206,24 +338,39 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Hidden states for a flattened batch of tokens, and logits for the chosen rows."""
 
-    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    options = DecoderOptions()
 
     # Checkpoint name fragment -> (our merged parameter fragment, part id).
-    stacked_params = (
+    stacked_params: tuple[tuple[str, str, Any], ...] = (
         (".q_proj.", ".qkv_proj.", "q"),
         (".k_proj.", ".qkv_proj.", "k"),
         (".v_proj.", ".qkv_proj.", "v"),
         (".gate_proj.", ".gate_up_proj.", 0),
         (".up_proj.", ".gate_up_proj.", 1),
     )
+    #: Checkpoint name fragments renamed before anything else (Mixtral's MoE block).
+    renamed_params: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, cfg: ArchConfig, *, max_positions: int, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, self.layer_class, max_positions, tp=tp, dtype=dtype)
+        self.model = LlamaModel(cfg, self.options, max_positions, tp=tp, dtype=dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def checkpoint_param(cls, name: str) -> tuple[str, Any]:
+        """A checkpoint tensor's name -> (the parameter it fills, its shard id)."""
+        for fragment, renamed in cls.renamed_params:
+            name = name.replace(fragment, renamed)
+        expert = expert_param(name)
+        if expert is not None:
+            return expert
+        for fragment, merged, part in cls.stacked_params:
+            if fragment in name:
+                return name.replace(fragment, merged), part
+        return name, None
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -233,7 +380,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling  # Granite
+        if self.cfg.final_softcap is not None:
+            cap = self.cfg.final_softcap  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def fast_path_blockers(self) -> list[str]:
+        """See :meth:`LlamaModel.fast_path_blockers`."""
+        return self.model.fast_path_blockers()
 
     def attach_decode_stack(self, kernel: LlamaDecodeKernel) -> bool:
         """See :meth:`LlamaModel.attach_decode_stack`."""

@@ -1,18 +1,10 @@
-"""Qwen2: Llama with biases on the q/k/v projections (and none on o_proj)."""
+"""Qwen2: Llama with biases on the q/k/v projections (and none on o_proj); sliding
+windows from ``max_window_layers`` on when ``use_sliding_window`` (``hf_config``)."""
 
 from __future__ import annotations
 
-from aserve.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-
-
-class Qwen2Attention(LlamaAttention):
-    qkv_bias_override = True
-    o_bias_override = False
-
-
-class Qwen2DecoderLayer(LlamaDecoderLayer):
-    attention_class = Qwen2Attention
+from aserve.model.models.llama import DecoderOptions, LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    layer_class = Qwen2DecoderLayer
+    options = DecoderOptions(qkv_bias=True, o_bias=False)

@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-from aserve.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-
-
-class Qwen3Attention(LlamaAttention):
-    use_qk_norm = True
-
-
-class Qwen3DecoderLayer(LlamaDecoderLayer):
-    attention_class = Qwen3Attention
+from aserve.model.models.llama import DecoderOptions, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    layer_class = Qwen3DecoderLayer
+    options = DecoderOptions(qk_norm="head")

@@ -51,9 +51,16 @@ def test_chunked_prefill_matches_transformers(arch, model_dirs, references):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_prefix_cache_hit_gives_same_tokens(llama_dir, references):
-    prompts, expected, _ = references["llama"]
-    llm = LLM(str(llama_dir), kv_cache_memory=1 << 24, block_size=4)
+#: The prefix-cache and preemption tests run on Llama and on the layers that change how
+#: a chunk reads its cached context: sliding windows (local layers of 8 tokens, prompts
+#: up to 48), soft-capping, NoPE layers, and experts.
+CACHE_ARCHS = ["llama", "gemma2", "gemma3", "smollm3", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("arch", CACHE_ARCHS)
+def test_prefix_cache_hit_gives_same_tokens(arch, model_dirs, references):
+    prompts, expected, _ = references[arch]
+    llm = LLM(str(model_dirs[arch]), kv_cache_memory=1 << 24, block_size=4)
     first = llm.generate(prompts, GREEDY)
     second = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in first] == expected
@@ -63,12 +70,16 @@ def test_prefix_cache_hit_gives_same_tokens(llama_dir, references):
     assert all(o.num_cached_tokens == 0 for o in first)
 
 
-def test_preemption_recomputes_to_same_tokens(llama_dir, references):
-    prompts, expected, _ = references["llama"]
+@pytest.mark.parametrize("arch", CACHE_ARCHS)
+def test_preemption_recomputes_to_same_tokens(arch, model_dirs, references):
+    from aserve.model.hf_config import load_arch_config
+    from aserve.model.kv_spec import bytes_per_block
+
+    prompts, expected, _ = references[arch]
     # 22 usable blocks of 4 tokens: the longest request alone needs 21 by its end, so
     # the four cannot all hold their KV at once and some are preempted and recomputed.
-    per_block = 2 * 2 * 4 * 2 * 32 * 4  # layers * (k, v) * block * kv heads * head_dim * fp32
-    llm = LLM(str(llama_dir), kv_cache_memory=23 * per_block, block_size=4, max_model_len=88)
+    per_block = bytes_per_block(load_arch_config(model_dirs[arch]), tp_size=1, dtype="float32", block_size=4)
+    llm = LLM(str(model_dirs[arch]), kv_cache_memory=23 * per_block, block_size=4, max_model_len=88)
     outputs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected

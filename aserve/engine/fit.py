@@ -121,5 +121,11 @@ def check_tp_divides(arch: ArchConfig, tp_size: int) -> None:
     kv = arch.num_key_value_heads
     if kv % tp_size and tp_size % kv:
         raise refuse(f"{kv} key/value heads (nor is it a multiple of them)")
-    if arch.intermediate_size % tp_size:
+    if arch.intermediate_size % tp_size and (arch.moe is None or not all(arch.moe.sparse_layers)):
         raise refuse(f"MLP width of {arch.intermediate_size}")
+    if arch.moe is not None:
+        # Every rank holds a slice of every expert (aserve.model.layers.moe).
+        if arch.moe.intermediate_size % tp_size:
+            raise refuse(f"expert width of {arch.moe.intermediate_size}")
+        if arch.moe.shared_expert_intermediate_size % tp_size:
+            raise refuse(f"shared expert width of {arch.moe.shared_expert_intermediate_size}")

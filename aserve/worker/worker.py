@@ -64,7 +64,13 @@ class Worker:
                 # Decode steps through every layer from C, where the model's layers
                 # allow it (bf16 on AMX, float32 on AVX2; aserve/kernels/llama_decode.py).
                 kernel = None
-                if hasattr(model, "attach_decode_stack"):
+                blockers = model.fast_path_blockers() if hasattr(model, "fast_path_blockers") else []
+                if blockers and tp.rank == 0:
+                    # Said once, at start-up: these layers run the layer-by-layer path
+                    # (and, where the reason is attention's, the masked torch attention).
+                    logger.info("decode steps run layer by layer, not in one C call: %s (%s)",
+                                ", ".join(blockers), arch.architecture)
+                if hasattr(model, "attach_decode_stack") and not blockers:
                     if self.dtype == self.kv_dtype == torch.bfloat16:
                         kernel = load_decode_stack()
                     elif self.dtype == torch.float32:

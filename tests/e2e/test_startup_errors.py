@@ -72,6 +72,19 @@ def unknown_architecture(model: Path) -> None:
     (model / "config.json").write_text(json.dumps(cfg))
 
 
+def quantized(model: Path) -> None:
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (model / "config.json").write_text(json.dumps(cfg))
+
+
+def yarn_rope(model: Path) -> None:
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (model / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.mark.parametrize("spoil,flags,expected", [
     (None, ["--max-model-len", "100000"], "--max-model-len: max_model_len=100000 exceeds the model's limit of 512"),
     (None, ["--tp", "0"], "--tensor-parallel-size/--tp: tensor_parallel_size must be >= 1, got 0"),
@@ -87,6 +100,8 @@ def unknown_architecture(model: Path) -> None:
     (remove_tokenizer, [], "tokenizer.json not found in"),
     (garble_config, [], "config.json is not valid JSON"),
     (unknown_architecture, [], "architecture 'GPT2LMHeadModel' is not supported"),
+    (quantized, [], "config.json: quantization_config (gptq) is not supported"),
+    (yarn_rope, [], "rope type 'yarn' (rope_scaling) is not supported"),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_one_line_and_nothing_started(llama_dir, tmp_path, spoil, flags, expected):
     model = llama_dir

@@ -25,7 +25,8 @@ def llama_config(*, hidden_size: int, num_layers: int, num_heads: int, num_kv_he
     return {
         "architectures": [architecture],
         "model_type": {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[architecture],
+                       "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                       "Qwen3MoeForCausalLM": "qwen3_moe"}[architecture],
         "hidden_size": hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,

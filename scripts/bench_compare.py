@@ -141,7 +141,7 @@ def serve_cmd(system: str, args: argparse.Namespace, model: Path, dtype: str, si
         return ([sys.executable, "-m", "aserve", "run", str(model), "--served-model-name", str(model), "--port",
                  str(PORT), "--dtype", dtype, "--log-level", "WARNING", *threads, *shlex.split(args.aserve_args)], {})
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
-    if size == "152m":
+    if size != "7m":
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
     return ([str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port",
              str(PORT), "--dtype", dtype, *shlex.split(args.vllm_args)], env)
@@ -155,7 +155,9 @@ PLAN = (
 )
 #: Run only when named in --only: on a CPU without native bf16 products (no avx512_bf16
 #: or AMX, as on an AVX2 AMD EPYC) float32 is both systems' better 152M configuration.
-EXTRA = (("152m", "float32", 32),)
+#: The MoE (8 experts, top 2, 151M parameters) and the dense model of its active size.
+EXTRA = (("152m", "float32", 32), ("moe-150m", "float32", 32), ("dense-52m", "float32", 32),
+         ("moe-150m", "bfloat16", 32), ("dense-52m", "bfloat16", 32))
 
 
 def main() -> None:
@@ -176,7 +178,8 @@ def main() -> None:
     systems = [s for s in args.systems if s == "aserve" or (Path(args.vllm_venv) / "bin" / "vllm").exists()]
     if "vllm" in args.systems and "vllm" not in systems:
         print(f"no vLLM at {args.vllm_venv}: measuring aserve only", file=sys.stderr)
-    models = {"7m": ROOT / "bench-models" / "llama-7m", "152m": ROOT / "bench-models" / "llama-152m"}
+    models = {"7m": ROOT / "bench-models" / "llama-7m", "152m": ROOT / "bench-models" / "llama-152m",
+              "moe-150m": ROOT / "bench-models" / "moe-150m", "dense-52m": ROOT / "bench-models" / "dense-52m"}
     plan = [p for p in PLAN + EXTRA
             if (args.only is None and p in PLAN) or (args.only is not None and f"{p[0]}-{p[1]}-c{p[2]}" in args.only)]
     for size in dict.fromkeys(p[0] for p in plan):

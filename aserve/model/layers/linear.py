@@ -132,6 +132,9 @@ def prepack_linears(model: nn.Module, amx: AmxLinear | None = None, f32: F32Line
             numel = amx.packed_numel(layer.weight)
             layer.use_amx(amx, arena[offset : offset + numel])
             offset += numel
+    for module in model.modules():
+        if hasattr(module, "pack_weights"):  # a MoE layer's experts (aserve.model.layers.moe)
+            module.pack_weights(amx, f32, can_pack)
     for layer in layers:
         if layer.amx is not None:
             continue

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup
+from aserve.kernels.cpu_fused_ops import FusedOps
 from aserve.model.hf_config import MoEConfig
 from aserve.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from aserve.model.layers.weights import TensorSource, check_shape, expect_full_shape, new_param
@@ -194,6 +195,9 @@ class MoEMLP(nn.Module):
     ``experts``, ``shared_expert``, ``shared_expert_gate``), Mixtral's are renamed to
     them at load."""
 
+    #: The C kernels (:mod:`aserve.kernels.cpu_fused_ops`), attached after loading on CPU.
+    fused_ops: FusedOps | None = None
+
     def __init__(self, hidden: int, moe: MoEConfig, act: str, *, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.tp = tp
@@ -203,6 +207,7 @@ class MoEMLP(nn.Module):
         self.gate = Router(moe.num_experts, hidden, dtype=dtype)
         self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size, tp=tp, dtype=dtype)
         self.act = activation(act)
+        self.silu = act == "silu"
         self.shared_expert: SharedExpert | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(hidden, moe.shared_expert_intermediate_size, act, tp=tp, dtype=dtype)
@@ -233,10 +238,14 @@ class MoEMLP(nn.Module):
             if not n:
                 continue
             h = experts.gate_up(rows[start : start + n], expert)  # [n, 2 * I_local]
-            h = self.act(h[:, :local]) * h[:, local:]
+            if self.silu and self.fused_ops is not None and self.fused_ops.supports(h):
+                h = self.fused_ops.silu_mul(h)
+            else:
+                h = self.act(h[:, :local]).mul_(h[:, local:])
             out_rows[start : start + n] = experts.down(h, expert)
             start += n
-        weighted = out_rows * weights.reshape(-1)[order].unsqueeze(1)
+        pair_weights = weights.reshape(-1)[order].unsqueeze(1)
+        weighted = out_rows.mul_(pair_weights) if pair_weights.dtype == out_rows.dtype else out_rows * pair_weights
         out = torch.zeros(x.shape, dtype=weighted.dtype, device=x.device).index_add_(0, tokens, weighted).to(x.dtype)
         if self.shared_expert is not None:
             gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))

@@ -24,14 +24,19 @@ def exit_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send ``sig`` to this process when its parent dies.
 
     SIGTERM rather than SIGKILL, so the child still cleans up what it owns (shared
-    memory, sockets) on the way out. Exits at once if the parent is already gone.
+    memory, sockets) on the way out. Exits at once if the parent is already gone: the
+    process's parent is then no longer the one multiprocessing started it from. (Not
+    ``getppid() == 1``: in a container the supervisor is PID 1 itself.)
     """
+    import multiprocessing
+
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except OSError:
         pass
-    if os.getppid() == 1:
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
         os._exit(1)
 
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.tp_group import TPGroup

@@ -6,9 +6,9 @@
 
 The engine flags of ``run``, ``generate`` and ``bench throughput|latency`` are generated
 from ``EngineArgs`` (``aserve.engine.args``), so each has the same name, default and
-check as the keyword of ``LLM`` and ``AsyncLLM``. With no model, the embedded default
-model is built on first use into ``$ASERVE_CACHE_DIR`` (random weights: its text is
-nonsense, which stderr says).
+check as the keyword of ``LLM`` and ``AsyncLLM``. With no model, the default model in
+the package (``aserve.default_model``: 4.3M parameters trained on Python's own
+documentation) answers, and stderr says so.
 
 A mistake (a bad flag, a missing or corrupt model file, a port in use, a length over the
 model's limit) prints one line, ``aserve: error: ...``, naming the flag or the file, and
@@ -43,7 +43,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from aserve import __version__
+
     parser = _Parser(prog="aserve", description="LLM inference with the OpenAI API's shapes.")
+    parser.add_argument("--version", action="version", version=f"aserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the result")
@@ -132,6 +135,8 @@ def _add_bench_parser(sub: Any) -> None:
     serve.add_argument("--structured-fraction", type=float, default=1.0,
                        help="the share of requests --structured constrains (default 1: all)")
     serve.add_argument("--http2", action="store_true", help="HTTP/2 (h2c with prior knowledge, or ALPN over TLS)")
+    serve.add_argument("--http-client", choices=("builtin", "aiohttp"), default="builtin",
+                       help="the HTTP/1.1 client over plain http:// (docs/benchmarks.md)")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--result-filename", default=None, help="write the result JSON here")
     serve.add_argument("--no-progress", action="store_true")
@@ -166,7 +171,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     _configure_logging(args.log_level)
     if args.model is None:
-        print("aserve: using the embedded default model (random weights: its output is nonsense)", file=sys.stderr)
+        from aserve.default_model import NOTE
+
+        print(NOTE, file=sys.stderr)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.sampling_seed,
@@ -214,6 +221,7 @@ def _resolve_loop(loop: str) -> str:
 
 def _bench_serve(args: argparse.Namespace) -> int:
     import json
+    import time
     from pathlib import Path
 
     import anyio
@@ -245,11 +253,18 @@ def _bench_serve(args: argparse.Namespace) -> int:
     cfg = LoadConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model, request_rate=args.request_rate,
                      burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
                      temperature=args.temperature, http2=args.http2, seed=args.seed, goodput=goodput,
-                     api_key=args.api_key, structured=args.structured, structured_fraction=args.structured_fraction)
+                     api_key=args.api_key, structured=args.structured, structured_fraction=args.structured_fraction,
+                     http_client=args.http_client)
     progress = None if args.no_progress else ProgressBar("requests")
     options = {"use_uvloop": True} if _resolve_loop(args.loop) == "uvloop" else {}
+    cpu_before = time.process_time()
     results, duration = anyio.run(run_load, cfg, samples, tokenizer, progress, backend_options=options)
+    client_cpu = time.process_time() - cpu_before
     result = summarize(cfg, results, duration)
+    # The generator's own CPU (it shares the machine it measures), per streamed event.
+    events = sum(len(r.itl) + 1 for r in results if r.success)
+    result["client_cpu_s"] = client_cpu
+    result["client_cpu_us_per_event"] = client_cpu / events * 1e6 if events else None
     print(format_summary(result))
     if args.result_filename:
         Path(args.result_filename).write_text(json.dumps(result))

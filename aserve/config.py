@@ -199,8 +199,14 @@ class ParallelConfig:
         return (dp_rank % max(1, self.local_engines)) * self.tensor_parallel_size + rank
 
 
-#: Seconds without a heartbeat after which an engine core or worker counts as dead.
-DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+#: Seconds without a heartbeat after which an engine core or worker counts as dead (each
+#: ticks once a second from a thread of its own, so a stopped one is seen within ~5 s).
+DEFAULT_HEARTBEAT_TIMEOUT = 4.0
+#: The least time a step may take before it counts as hung, when no
+#: ``execute_model_timeout`` is set (the bound grows with the longest step measured).
+STEP_TIMEOUT_FLOOR = 60.0
+#: ... and how many times the longest step measured so far a step may take.
+STEP_TIMEOUT_FACTOR = 10.0
 #: Seconds the front end waits for every engine's READY (weights load in this time).
 DEFAULT_STARTUP_TIMEOUT = 600.0
 
@@ -208,14 +214,24 @@ DEFAULT_STARTUP_TIMEOUT = 600.0
 @dataclass(frozen=True)
 class HealthConfig:
     """When whoever watches the engine processes gives up on one: it stopped ticking its
-    heartbeat (``aserve.process.heartbeat``), or it never became ready."""
+    heartbeat (``aserve.process.heartbeat``: the process is stopped or frozen), a step
+    made no progress for ``execute_model_timeout`` (None: ``STEP_TIMEOUT_FACTOR`` times
+    the longest step measured, at least ``STEP_TIMEOUT_FLOOR``; a deadlock inside a
+    process that still ticks), or it never became ready."""
 
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    execute_model_timeout: float | None = None
+
+    def step_bound(self, longest_step: float) -> float:
+        """Seconds a step may be in flight before the engine counts as hung."""
+        if self.execute_model_timeout is not None:
+            return self.execute_model_timeout
+        return max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR * longest_step)
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_timeout", "startup_timeout"):
-            if not getattr(self, name) > 0:
+        for name in ("heartbeat_timeout", "startup_timeout", "execute_model_timeout"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}", param=name)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Trains aserve's default model: a small Llama on text that ships with Python itself.
 
-    python scripts/train_default_model.py [--out aserve/default_model] [--steps 1500]
+    python scripts/train_default_model.py [--out aserve/default_model] [--steps 700]
                                           [--log docs/default-model-training.log]
 
 The corpus is this interpreter's ``pydoc_data.topics`` (the language reference's topics
@@ -122,7 +122,7 @@ def perplexity(model, data: torch.Tensor, batch: int = 16) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "aserve" / "default_model")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log", type=Path, default=ROOT / "docs" / "default-model-training.log")
@@ -181,7 +181,7 @@ def main() -> None:
         opt.step()
         sched.step()
         if step % 100 == 0 or step == 1:
-            log(f"step {step:5d}  loss {float(loss):.3f}  lr {sched.get_last_lr()[0]:.2e}  "
+            log(f"step {step:5d}  loss {loss.item():.3f}  lr {sched.get_last_lr()[0]:.2e}  "
                 f"{time.time() - began:6.0f} s")
         if step % 500 == 0 and step < args.steps:
             log(f"step {step:5d}  held-out perplexity {perplexity(model, held):.1f}")

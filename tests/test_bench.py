@@ -78,7 +78,7 @@ def test_bench_serve_against_a_real_server_over_http1_and_http2(llama_dir, tmp_p
     server = Server(llama_dir, "--served-model-name", str(llama_dir))
     try:
         # HTTP/1.1 on the default loop (uvloop where installed) and on plain asyncio.
-        for flags in ([], ["--loop", "asyncio"], ["--http2"]):
+        for flags in ([], ["--loop", "asyncio"], ["--http2"], ["--http-client", "aiohttp"]):
             out = tmp_path / f"result{'-'.join(flags)}.json"
             cmd = [sys.executable, "-m", "aserve", "bench", "serve", "--base-url", server.base_url,
                    "--model", str(llama_dir), "--random-input-len", "16", "--random-output-len", "6",
@@ -90,6 +90,7 @@ def test_bench_serve_against_a_real_server_over_http1_and_http2(llama_dir, tmp_p
             assert (result["completed"], result["failed"], result["total_output_tokens"]) == (8, 0, 48)
             assert result["request_goodput"] == pytest.approx(result["request_throughput"])
             assert result["median_ttft_ms"] > 0 and result["median_itl_ms"] > 0 and len(result["itls"]) == 8
+            assert result["client_cpu_s"] > 0 and result["client_cpu_us_per_event"] > 0
             assert "Output token throughput" in r.stdout
         chat = subprocess.run(
             [sys.executable, "-m", "aserve", "bench", "serve", "--base-url", server.base_url, "--model", str(llama_dir),

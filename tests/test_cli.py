@@ -19,7 +19,7 @@ def run_cli(*args, cache_dir):
 def test_generate_with_the_default_model(tmp_path):
     proc = run_cli("generate", "Hello, my name is", "--max-tokens", "8", cache_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "random weights" in proc.stderr
+    assert "the default model (4.3M parameters trained on Python's own documentation" in proc.stderr
     assert proc.stdout.strip() != ""
     again = run_cli("generate", "Hello, my name is", "--max-tokens", "8", cache_dir=tmp_path)
     assert again.stdout == proc.stdout  # greedy by default: the same text
@@ -31,7 +31,25 @@ def test_generate_reports_bad_input(tmp_path):
     assert "does not exist" in proc.stderr
 
 
-def test_default_model_is_built_deterministically(tmp_path):
+def test_version():
+    proc = subprocess.run([sys.executable, "-m", "aserve", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"aserve {aserve.__version__}"
+
+
+def test_the_committed_default_model_is_what_run_serves_without_one():
+    from aserve.default_model import default_model_dir
+    from aserve.engine.args import resolve_model_path
+    from aserve.model.hf_config import load_arch_config
+
+    path = default_model_dir()
+    assert resolve_model_path(None) == str(path)
+    arch = load_arch_config(path)
+    assert arch.architecture == "LlamaForCausalLM" and arch.vocab_size == 4096
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= {p.name for p in path.iterdir()}
+
+
+def test_random_test_model_is_built_deterministically(tmp_path):
     def digest(path):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 

@@ -51,10 +51,10 @@ def test_chunked_prefill_matches_transformers(arch, model_dirs, references):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-#: The prefix-cache and preemption tests run on Llama and on the layers that change how
-#: a chunk reads its cached context: sliding windows (local layers of 8 tokens, prompts
-#: up to 48), soft-capping, NoPE layers, and experts.
-CACHE_ARCHS = ["llama", "gemma2", "gemma3", "smollm3", "qwen3_moe"]
+#: The prefix-cache and preemption tests run on every architecture: sliding windows
+#: (local layers of 8 tokens, prompts up to 48), soft-capping, NoPE layers and experts
+#: all change how a chunk reads its cached context.
+CACHE_ARCHS = sorted(VARIANTS)
 
 
 @pytest.mark.parametrize("arch", CACHE_ARCHS)

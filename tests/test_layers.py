@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("aserve.engine",)),
     ("executor", ("aserve.executor",)),
     ("worker", ("aserve.worker",)),
-    ("model", ("aserve.model", "aserve.model_builder", "aserve.tiny_tokenizer")),
+    ("model", ("aserve.model", "aserve.model_builder", "aserve.tiny_tokenizer", "aserve.default_model")),
     ("wire/config/distributed", ("aserve.wire", "aserve.config", "aserve.devices", "aserve.distributed",
                                  "aserve.sampling_params", "aserve.outputs")),
     ("kernels", ("aserve.kernels",)),

@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse, Response
 from aserve import __version__
 from aserve.api.errors import error_response
 from aserve.api.generation import ServerState, read_body
-from aserve.api.protocol import RequestError, decode_body
+from aserve.api.protocol import RequestError, TokenizeRequest, decode_body
+from aserve.api.tools import template_messages
 from aserve.errors import EngineDeadError
 
 
@@ -22,13 +23,14 @@ async def models(state: ServerState, request: Request) -> Response:
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:
-    body = decode_body(await read_body(request, state.max_body_bytes), dict)
-    tok = state.engine.tokenizer
-    if "messages" in body:
-        text = tok.apply_chat_template(body["messages"], add_generation_prompt=body.get("add_generation_prompt", True))
-        tokens = tok.encode(text, add_special_tokens=False)
-    elif isinstance(body.get("prompt"), str):
-        tokens = tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+    # Typed like the chat route's body: a malformed field is a 400 naming it, never a 500.
+    body = decode_body(await read_body(request, state.max_body_bytes), TokenizeRequest)
+    if body.messages is not None:
+        rendered = state.engine.render_chat(template_messages(body.messages),
+                                            add_generation_prompt=body.add_generation_prompt)
+        tokens = rendered["prompt_token_ids"]
+    elif body.prompt is not None:
+        tokens = state.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         raise RequestError("give 'prompt' (a string) or 'messages'", param="prompt")
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})

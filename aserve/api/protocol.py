@@ -227,6 +227,16 @@ class ChatMessage(msgspec.Struct):
         return "".join(parts)
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``/tokenize``: a ``prompt``, or ``messages`` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None

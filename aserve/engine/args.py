@@ -104,6 +104,9 @@ class EngineArgs:
                                        "engine process counts as dead", minimum=0)
     startup_timeout: float = _option(DEFAULT_STARTUP_TIMEOUT, "seconds to wait for every engine to load and "
                                      "report ready", minimum=0)
+    execute_model_timeout: float | None = _option(None, "seconds a model step may run before the engine counts "
+                                                  "as hung (default: 10x the longest step measured, at least 60)",
+                                                  minimum=0)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # in order, so --tp 0 is reported as --tp, not as what it implies
@@ -144,7 +147,8 @@ class EngineArgs:
                                     data_parallel_size_local=data_parallel_size_local,
                                     worker_threads=self.worker_threads, node_cpus=node_cpus(),
                                     cpu_affinity=self.cpu_affinity, tp_comm=self.tp_comm),
-            health=HealthConfig(heartbeat_timeout=self.heartbeat_timeout, startup_timeout=self.startup_timeout),
+            health=HealthConfig(heartbeat_timeout=self.heartbeat_timeout, startup_timeout=self.startup_timeout,
+                                execute_model_timeout=self.execute_model_timeout),
         )
 
 
@@ -172,12 +176,12 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """The model directory; the embedded default model (built on first use) when None."""
+    """The model directory; the default model in the package (``aserve.default_model``)
+    when None."""
     if model is None:
-        from aserve.envs import read_env
-        from aserve.model_builder import ensure_default_model
+        from aserve.default_model import default_model_dir
 
-        return str(ensure_default_model(read_env().cache_dir))
+        return str(default_model_dir())
     return model
 
 

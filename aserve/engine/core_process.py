@@ -135,6 +135,15 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     sys.exit(code)
 
 
+def _first_message(exc: BaseException) -> str:
+    """The first real error inside task groups' exception groups, as one line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, (KeyboardInterrupt, anyio.get_cancelled_exc_class())):
+        return ""
+    return str(exc) or type(exc).__name__
+
+
 def _make_executor_factory(cfg: EngineCoreProcConfig) -> Callable[[EngineConfig], Any]:
     # The model never runs in the engine core's process, at any TP size, so scheduling
     # overlaps the forward pass.
@@ -243,6 +252,7 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
     stats_push: AsyncSocket | None = None
     loop: _BusyLoop | None = None
     failed = True
+    reason = ""  # why the engine stopped, sent with ENGINE_CORE_DEAD (text, not pickled)
     try:
         # Everything allocated so far lives as long as the process: keep the collector
         # from scanning it again on every collection.
@@ -346,13 +356,16 @@ async def _serve(cfg: EngineCoreProcConfig) -> None:
                 send_outputs.close()
             tg.cancel_scope.cancel()
         failed = False
+    except BaseException as exc:
+        reason = _first_message(exc)
+        raise
     finally:
         ignore_termination()  # a second SIGTERM must not cut the cleanup short
         if failed and loop is not None:
             loop.inputs.put(_Shutdown())  # release the busy loop's thread if it waits
         for push in pushes:  # the last message, on every exit path
             try:
-                push.send_nowait([ENGINE_CORE_DEAD])
+                push.send_nowait([ENGINE_CORE_DEAD, reason.encode()[:1000]])
             except zmq.ZMQError:
                 pass
         for sock in dealers:

@@ -4,8 +4,9 @@ The engine core writes each call once to a broadcast ring that every worker read
 the call's output rank (rank 0) replies on its own response ring. A wait for a reply
 looks at the workers every second: a worker that died (or, given the instance's
 heartbeat segment, stopped ticking for ``heartbeat_timeout``) fails the executor with
-``EngineDeadError``, and a step that exceeds ``execute_model_timeout`` (300 s) fails it
-too.
+``EngineDeadError``, and so does a step that makes no progress for longer than
+``HealthConfig.step_bound`` (``--execute-model-timeout``, or ten times the longest step
+measured so far, at least 60 s): a worker that still ticks but is stuck.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from aserve.worker.worker_process import WorkerProcConfig, run_worker
 
 logger = logging.getLogger("aserve.executor")
 
-EXECUTE_MODEL_TIMEOUT = 300.0
 _POLL = 1.0
 
 
@@ -58,6 +58,10 @@ class MultiprocExecutor:
         self._closed = False
         self._heartbeats: HeartbeatTable | None = None
         self._monitor: HeartbeatMonitor | None = None
+        self._health = config.health
+        self._submitted: list[float] = []  # when each step in flight was written
+        self._last_done = 0.0  # when the last step's output was read
+        self.longest_step = 0.0  # seconds: the longest a step has taken (from when it could start)
         skip_resource_tracker()
         spawn = mp.get_context("spawn")
         try:
@@ -73,19 +77,19 @@ class MultiprocExecutor:
                 proc.start()
                 self.workers.append(proc)
             deadline = time.monotonic() + config.health.startup_timeout
-            for rank in range(self.tp_size):
-                self._responses.append(self._attach(rank, instance, dp_rank, max_chunk_bytes, deadline))
-            self._broadcast.wait_for_readers(timeout=max(1.0, deadline - time.monotonic()))
-            for rank in range(self.tp_size):  # each worker's READY, after its model loaded
-                self._read_reply(rank, deadline)
             if heartbeat_name is not None:
-                # From READY on, each worker ticks between calls (and while idle): a
-                # stopped one fails the step that waits on it, as one that exited does.
+                # Each worker ticks from a thread from its start (its load included): a
+                # stopped one fails whatever waits on it, as one that exited does.
                 self._heartbeats = HeartbeatTable(heartbeat_name, worker_slot(dp_rank, self.tp_size, self.tp_size - 1) + 1,
                                                   create=False)
                 self._monitor = HeartbeatMonitor(
                     self._heartbeats, {worker_slot(dp_rank, self.tp_size, r): f"worker tp{r}" for r in range(self.tp_size)},
                     config.health.heartbeat_timeout)
+            for rank in range(self.tp_size):
+                self._responses.append(self._attach(rank, instance, dp_rank, max_chunk_bytes, deadline))
+            self._broadcast.wait_for_readers(timeout=max(1.0, deadline - time.monotonic()))
+            for rank in range(self.tp_size):  # each worker's READY, after its model loaded
+                self._read_reply(rank, deadline)
         except BaseException:
             self.shutdown()
             raise
@@ -130,11 +134,25 @@ class MultiprocExecutor:
         return reply.output
 
     def submit_model(self, sched: SchedulerOutput) -> None:
-        self._write(WorkerCall("execute_model", sched, output_rank=0), time.monotonic() + EXECUTE_MODEL_TIMEOUT)
+        self._write(WorkerCall("execute_model", sched, output_rank=0),
+                    time.monotonic() + self._health.step_bound(self.longest_step))
+        self._submitted.append(time.monotonic())
 
     def wait_model(self) -> RunnerOutput:
-        """The output of the oldest step written and not yet read."""
-        output = self._read_reply(0, time.monotonic() + EXECUTE_MODEL_TIMEOUT)
+        """The output of the oldest step written and not yet read; ``EngineDeadError``
+        once it has run longer than the step bound (counted from when the workers could
+        start it: its write, or the end of the step before it)."""
+        began = max(self._submitted.pop(0), self._last_done) if self._submitted else time.monotonic()
+        bound = self._health.step_bound(self.longest_step)
+        try:
+            output = self._read_reply(0, began + bound)
+        except EngineDeadError as exc:
+            if "gave no answer in time" in str(exc):
+                raise EngineDeadError(f"a model step made no progress for {bound:.0f} s (the workers still tick: "
+                                      "stuck, not stopped; --execute-model-timeout sets the bound)") from None
+            raise
+        self._last_done = time.monotonic()
+        self.longest_step = max(self.longest_step, self._last_done - began)
         assert output is not None
         return output
 

@@ -352,7 +352,9 @@ class EngineCoreClient:
             frames = await self._pull.recv_multipart()
             if frames[0] == ENGINE_CORE_DEAD:
                 if not self._stopping:
-                    self._fail(EngineDeadError("an engine core stopped (ENGINE_CORE_DEAD)"))
+                    why = frames[1].decode(errors="replace") if len(frames) > 1 else ""
+                    self._fail(EngineDeadError(f"an engine core stopped: {why}" if why
+                                               else "an engine core stopped (ENGINE_CORE_DEAD)"))
                 return
             try:
                 outputs = decode_outputs(frames[0])

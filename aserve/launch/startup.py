@@ -76,7 +76,9 @@ def fit_for_node(engine_args: EngineArgs, dp: DataParallelLaunch) -> FittedConfi
     if engine_args.model is None:
         import sys
 
-        print("aserve: serving the embedded default model (random weights: its output is nonsense)", file=sys.stderr)
+        from aserve.default_model import NOTE
+
+        print(NOTE, file=sys.stderr)
     config = engine_args.create_engine_config("server", data_parallel_size_local=dp.local,
                                               model=resolve_model_path(engine_args.model))
     return fit_config(config)

@@ -6,12 +6,16 @@ core and worker owns one 8-byte counter in a per-instance segment
 treats a process whose counter has not moved for ``timeout`` seconds as dead, exactly
 as if it had exited.
 
-Who ticks: the engine core, from a small thread every ``INTERVAL`` (5 s); a worker,
-from its own loop, after every call and from the ring's deep sleep when idle (at least
-every 5 s), so idle workers need no extra thread. On this VM every timed wake-up of an
-idle thread is charged like ~10 ms of CPU, which is why ticks are this sparse; the
-default timeout (30 s) is six intervals. A worker inside one step longer than the
-timeout would count as hung: the step timeout (300 s) is the bound for slow steps.
+Who ticks: every engine core and worker, from a small thread of its own, once a second
+(``INTERVAL``), from the moment the process starts (before its model loads) to its end.
+The thread needs no GIL-free moment longer than a second: torch's kernels and aserve's C
+kernels release the GIL, so a long prefill still ticks, and a process that SIGSTOP,
+a debugger or a frozen VM halts stops ticking at once. The watcher checks every second
+and the default timeout is 4 s, so a stopped process is reported within about 5 s
+(``docs/design.md`` §14). A process that still ticks but makes no progress (a deadlock
+in a collective) is the step bound's to find (``HealthConfig.step_bound``). The ticks
+cost an idle server little: one wake-up a second per engine process (measured in
+``docs/performance.md``).
 
 Layout: ``num_slots`` little-endian uint64 counters. Slot of engine ``d`` with TP size
 ``t``: ``d * (1 + t)``; of its worker at TP rank ``r``: ``d * (1 + t) + 1 + r``.
@@ -25,8 +29,8 @@ import struct
 import threading
 import time
 
-INTERVAL = 5.0  # each wake-up of an idle thread costs CPU on this VM: tick every 5 s
-DEFAULT_TIMEOUT = 30.0
+INTERVAL = 1.0  # a tick a second: a stopped process is seen within timeout + 1 s
+DEFAULT_TIMEOUT = 4.0
 _SLOT = struct.Struct("<Q")
 
 
@@ -107,7 +111,9 @@ class Heartbeat:
 
 
 class HeartbeatMonitor:
-    """Finds slots whose counters stopped moving. ``check(now)`` returns the stale ones."""
+    """Finds slots whose counters stopped moving. ``check(now)`` returns the stale ones.
+    A counter still at zero belongs to a process that has not started ticking yet (it is
+    importing torch): it is not stale; the start-up timeout covers one that never starts."""
 
     def __init__(self, table: HeartbeatTable, slots: dict[int, str], timeout: float = DEFAULT_TIMEOUT) -> None:
         self.table, self.slots, self.timeout = table, slots, timeout
@@ -121,6 +127,6 @@ class HeartbeatMonitor:
             last_value, since = self._seen[slot]
             if value != last_value:
                 self._seen[slot] = (value, now)
-            elif now - since >= self.timeout:
+            elif value and now - since >= self.timeout:
                 stale.append(name)
         return stale

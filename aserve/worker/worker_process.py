@@ -22,7 +22,7 @@ from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from aserve.envs import read_env
 from aserve.wire.worker_messages import CALL_DECODER, WorkerCall, WorkerReply
-from aserve.process.heartbeat import HeartbeatTable, worker_slot
+from aserve.process.heartbeat import Heartbeat, HeartbeatTable, worker_slot
 from aserve.process.utils import (
     available_cores,
     exit_with_parent,
@@ -71,15 +71,17 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     ctx = zmq.Context()
     broadcast = response = None
     code = 0
-    table = None
+    table = heartbeat = None
     if cfg.heartbeat_name is not None:
         table = HeartbeatTable(cfg.heartbeat_name, worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank) + 1, create=False)
+        # From before the model loads: a slow load still ticks, a stopped process does not.
+        heartbeat = Heartbeat(table, worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank)).__enter__()
     try:
         broadcast = ShmRingReader(cfg.broadcast_name, cfg.rank, cfg.tp_size, side_channel_address=cfg.broadcast_side,
                                   zmq_context=ctx, max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
         response = ShmRingWriter(cfg.response_name, 1, side_channel_address=cfg.response_side, zmq_context=ctx,
                                  max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes, wake_every_write=True)
-        _serve(cfg, broadcast, response, table)
+        _serve(cfg, broadcast, response)
     except KeyboardInterrupt:
         pass
     except BaseException:
@@ -87,6 +89,8 @@ def run_worker(cfg: WorkerProcConfig) -> None:
         code = 1
     finally:
         ignore_termination()
+        if heartbeat is not None:
+            heartbeat.__exit__(None, None, None)
         if table is not None:
             table.close()
         if broadcast is not None:
@@ -97,8 +101,7 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     sys.exit(code)
 
 
-def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter,
-           heartbeats: HeartbeatTable | None) -> None:
+def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter) -> None:
     # torch and the model are imported here, in the worker, not at module level: the
     # engine core imports this module for its entry point and stays torch-free.
     import torch.distributed as dist
@@ -122,7 +125,7 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
         tp = _join_tp_group(cfg, device)
     try:
         worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0)
-        _serve_calls(cfg, worker, broadcast, response, heartbeats)
+        _serve_calls(cfg, worker, broadcast, response)
     finally:
         if tp.comm is not None:
             tp.comm.close()
@@ -163,23 +166,13 @@ def _join_tp_group(cfg: WorkerProcConfig, device):  # -> TPGroup (torch is impor
     return TPGroup(cfg.rank, cfg.tp_size, comm=comm)
 
 
-def _serve_calls(cfg: WorkerProcConfig, worker, broadcast: ShmRingReader, response: ShmRingWriter,
-                 heartbeats: HeartbeatTable | None) -> None:
+def _serve_calls(cfg: WorkerProcConfig, worker, broadcast: ShmRingReader, response: ShmRingWriter) -> None:
     encoder = msgspec.msgpack.Encoder()
     response.wait_for_readers(timeout=300)
     response.write(encoder.encode(WorkerReply(ok=True)))
     methods = {"execute_model": worker.execute_model}
-    slot = worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank)
-
-    def beat() -> None:
-        # The heartbeat ticks from the loop itself: after every call, and from the ring's
-        # deep sleep when idle, so no extra thread wakes up on an idle server.
-        if heartbeats is not None:
-            heartbeats.tick(slot)
-
     while True:
-        beat()
-        call: WorkerCall = CALL_DECODER.decode(broadcast.read(on_idle=beat))
+        call: WorkerCall = CALL_DECODER.decode(broadcast.read())
         if call.method == "shutdown":
             return
         try:

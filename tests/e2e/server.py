@@ -16,12 +16,13 @@ import httpx
 
 
 class Server:
-    def __init__(self, model: Path, *extra: str, env: dict[str, str] | None = None, verify: Any = True,
+    def __init__(self, model: Path | None, *extra: str, env: dict[str, str] | None = None, verify: Any = True,
                  wait: bool = True) -> None:
+        """``model`` None: ``aserve run`` with no model (the default one)."""
         self.verify = verify
-        self.model_path = Path(model)
-        cmd = [sys.executable, "-m", "aserve", "run", str(model), "--port", "0", "--kv-cache-memory", str(1 << 24),
-               "--max-model-len", "256", *extra]
+        self.model_path = None if model is None else Path(model)
+        cmd = [sys.executable, "-m", "aserve", "run", *([] if model is None else [str(model)]), "--port", "0",
+               "--kv-cache-memory", str(1 << 24), "--max-model-len", "256", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         self.log: list[str] = []

@@ -121,6 +121,13 @@ def test_models_and_small_routes(client, server):
     tokens = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"])
     assert httpx.post(base + "/detokenize", json={"tokens": tokens["tokens"][1:]}).json()["prompt"] == "Hello world"
+    chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] == len(chat["tokens"]) > 2
+    # Malformed bodies are 400s naming the field, never a 500 (the fuzzer's one finding).
+    for bad, param in (({"messages": True}, "messages"), ({"messages": [{"content": 1}]}, "messages"),
+                       ({"prompt": 5}, "prompt"), ({"prompt": "x", "nonsense": 1}, None)):
+        r = httpx.post(base + "/tokenize", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
     assert httpx.get(base + "/version").json()["version"]
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.get(base + "/ready").status_code == 200

@@ -135,8 +135,6 @@ def _add_bench_parser(sub: Any) -> None:
     serve.add_argument("--structured-fraction", type=float, default=1.0,
                        help="the share of requests --structured constrains (default 1: all)")
     serve.add_argument("--http2", action="store_true", help="HTTP/2 (h2c with prior knowledge, or ALPN over TLS)")
-    serve.add_argument("--http-client", choices=("builtin", "aiohttp"), default="builtin",
-                       help="the HTTP/1.1 client over plain http:// (docs/benchmarks.md)")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--result-filename", default=None, help="write the result JSON here")
     serve.add_argument("--no-progress", action="store_true")
@@ -253,8 +251,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     cfg = LoadConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model, request_rate=args.request_rate,
                      burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
                      temperature=args.temperature, http2=args.http2, seed=args.seed, goodput=goodput,
-                     api_key=args.api_key, structured=args.structured, structured_fraction=args.structured_fraction,
-                     http_client=args.http_client)
+                     api_key=args.api_key, structured=args.structured, structured_fraction=args.structured_fraction)
     progress = None if args.no_progress else ProgressBar("requests")
     options = {"use_uvloop": True} if _resolve_loop(args.loop) == "uvloop" else {}
     cpu_before = time.process_time()

@@ -78,7 +78,7 @@ def test_bench_serve_against_a_real_server_over_http1_and_http2(llama_dir, tmp_p
     server = Server(llama_dir, "--served-model-name", str(llama_dir))
     try:
         # HTTP/1.1 on the default loop (uvloop where installed) and on plain asyncio.
-        for flags in ([], ["--loop", "asyncio"], ["--http2"], ["--http-client", "aiohttp"]):
+        for flags in ([], ["--loop", "asyncio"], ["--http2"]):
             out = tmp_path / f"result{'-'.join(flags)}.json"
             cmd = [sys.executable, "-m", "aserve", "bench", "serve", "--base-url", server.base_url,
                    "--model", str(llama_dir), "--random-input-len", "16", "--random-output-len", "6",

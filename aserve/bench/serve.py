@@ -32,7 +32,7 @@ import anyio
 import numpy as np
 
 from aserve.bench.datasets import SampleRequest
-from aserve.bench.http1 import Http1Client
+from aserve.bench.aiohttp_client import AiohttpClient
 
 
 #: The structured load's schema: records for ever, so every token is under the grammar.
@@ -75,7 +75,6 @@ class LoadConfig:
     api_key: str | None = None
     structured: str | None = None  # "json_schema": constrained requests carry BENCH_SCHEMA
     structured_fraction: float = 1.0  # the share of requests that are constrained
-    http_client: str = "builtin"  # plain-http HTTP/1.1: "builtin" (bench/http1.py) or "aiohttp"
 
     def is_constrained(self, index: int) -> bool:
         """Request ``index`` carries the constraint: an even spread of the fraction."""
@@ -203,12 +202,8 @@ async def run_load(cfg: LoadConfig, samples: list[SampleRequest], tokenizer: Any
     if cfg.http2 or not cfg.base_url.startswith("http://"):
         limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
         client: Any = httpx.AsyncClient(http1=not cfg.http2, http2=cfg.http2, timeout=cfg.timeout, limits=limits)
-    elif cfg.http_client == "aiohttp":
-        from aserve.bench.aiohttp_client import AiohttpClient
-
-        client = AiohttpClient(limit, cfg.timeout)
     else:
-        client = Http1Client(cfg.base_url)  # lean: the client shares the machine it measures
+        client = AiohttpClient(limit, cfg.timeout)  # vLLM's client library; as lean here as a hand-written one
     async with client:
         async def send(i: int) -> None:
             nonlocal done

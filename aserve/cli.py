@@ -65,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     server = run.add_argument_group("server options")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
-    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics")
+    server.add_argument("--api-key-probes", action="store_true",
+                        help="with --api-key, require the key on /health, /ready and /metrics too")
+    server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                        help="answer CORS requests from these origins ('*' for any); default: CORS off")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="names a request's model may give, the first reported by /v1/models (default: the "
                              "directory's name, and MODEL as typed)")

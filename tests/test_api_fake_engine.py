@@ -98,3 +98,42 @@ async def test_completions_through_the_interface(llama_dir):
         assert r.status_code == 200
         events = [line for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and len(events) == 1 + 2 + 1 + 1  # role, 2 tokens, finish, DONE
+
+
+async def test_probes_behind_the_key_only_when_asked_and_cors_only_when_allowed(llama_dir):
+    engine = FakeEngine(llama_dir)
+    key = {"authorization": "Bearer k"}
+    open_probes = build_app(ServerState(engine=engine, served_model_name="fake", api_key="k"))
+    closed = build_app(ServerState(engine=engine, served_model_name="fake", api_key="k", api_key_probes=True,
+                                   allowed_origins=("https://app.example",)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=open_probes), base_url="http://test") as client:
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/version")).status_code == 401
+        assert (await client.get("/version", headers={"authorization": "Bearer k2"})).status_code == 401
+        assert (await client.get("/version", headers=key)).status_code == 200
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=closed), base_url="http://test") as client:
+        assert (await client.get("/health")).status_code == 401
+        assert (await client.get("/health", headers=key)).status_code == 200
+        preflight = await client.options("/v1/models", headers={"origin": "https://app.example",
+                                                                 "access-control-request-method": "GET"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        other = await client.get("/v1/models", headers={**key, "origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+async def test_an_unexpected_error_is_a_500_without_detail(llama_dir):
+    engine = FakeEngine(llama_dir)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret /etc/aserve/path in a traceback")
+
+    engine.render_chat = broken
+    app = build_app(ServerState(engine=engine, served_model_name="fake"))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 500
+        assert r.json()["error"] == {"message": "internal server error", "type": "internal_error", "param": None,
+                                     "code": 500}
+        assert "secret" not in r.text and "Traceback" not in r.text

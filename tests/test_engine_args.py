@@ -20,6 +20,7 @@ OTHER = {
     "prefix_cache_reserve": 0.5, "max_num_seqs": 8, "max_num_batched_tokens": 64, "enable_chunked_prefill": False,
     "long_prefill_token_threshold": 32, "tensor_parallel_size": 2, "data_parallel_size": 2, "tp_comm": "gloo",
     "worker_threads": 1, "cpu_affinity": False, "heartbeat_timeout": 5.0, "startup_timeout": 60.0,
+    "execute_model_timeout": 90.0,
 }
 ENGINE_COMMANDS = (["run"], ["generate", "hi"], ["bench", "throughput"], ["bench", "latency"])
 

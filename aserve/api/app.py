@@ -11,14 +11,20 @@ share):
 =================================  ==========================================
 
 Bad input is a 4xx with OpenAI's error body and the server goes on (``aserve.api.errors``);
-a dead engine is a 503. A client that goes away cancels its request's work, which aborts
-every engine request it started (every prompt, every ``n``). With ``--api-key``, every
-``/v1`` route needs ``Authorization: Bearer KEY``.
+a dead engine is a 503, anything unexpected a 500 with the same body and no detail (the
+traceback goes to the log, never to the client). A client that goes away cancels its
+request's work, which aborts every engine request it started (every prompt, every ``n``).
+
+With ``--api-key``, every route needs ``Authorization: Bearer KEY`` (compared in
+constant time) except the probes (``/health``, ``/ready``, ``/metrics``), which an
+orchestrator polls without secrets; ``--api-key-probes`` covers them too. CORS is off (no
+``Access-Control-*`` headers at all) unless ``--allowed-origins`` names origins.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 from typing import Any
 
 from starlette.applications import Starlette
@@ -41,18 +47,30 @@ ROUTES = [
 ]
 
 
+#: Open without the API key unless ``--api-key-probes``: what Kubernetes and Prometheus poll.
+PROBES = frozenset({"/health", "/ready", "/metrics"})
+
+
 def build_app(state: ServerState) -> Starlette:
     routes = [Route(path, functools.partial(handler, state), methods=[method]) for path, handler, method in ROUTES]
-    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
+    middleware = []
+    if state.allowed_origins:
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(state.allowed_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["*"]))
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS, middleware=middleware)
     if state.api_key is None:
         return app
 
     expected = f"Bearer {state.api_key}".encode()
+    open_paths = frozenset() if state.api_key_probes else PROBES
 
     async def with_api_key(scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization") != expected:
+        if scope["type"] == "http" and scope["path"] not in open_paths and scope.get("method") != "OPTIONS":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, expected):
                 await error_response(401, "a valid API key is required (Authorization: Bearer ...)")(scope, receive, send)
                 return
         await app(scope, receive, send)

@@ -3,11 +3,15 @@ is a 400 naming ``param``, a dead engine a 503, Starlette's HTTP errors keep the
 
 from __future__ import annotations
 
+import logging
+
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from aserve.errors import EngineDeadError, InvalidInputError
+
+logger = logging.getLogger("aserve.api")
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
@@ -30,5 +34,11 @@ async def on_engine_dead(request: Request, exc: EngineDeadError) -> Response:
     return error_response(503, f"the engine is dead: {exc}")
 
 
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    """A bug: OpenAI's body with no detail (no traceback, no path); the log has it all."""
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal server error", kind="internal_error")
+
+
 EXCEPTION_HANDLERS = {HTTPException: on_http_exception, InvalidInputError: on_invalid_input,
-                      EngineDeadError: on_engine_dead}
+                      EngineDeadError: on_engine_dead, Exception: on_unexpected}

@@ -37,6 +37,8 @@ class ServerState:
     engine: EngineClient
     served_model_name: str  # what responses and /v1/models report
     api_key: str | None = None
+    api_key_probes: bool = False  # the key on the probes (/health, /ready, /metrics) too
+    allowed_origins: tuple[str, ...] = ()  # CORS origins; empty: no CORS headers at all
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     draining: bool = False
     metrics: Metrics = field(default_factory=Metrics)

@@ -39,6 +39,8 @@ class ApiServerConfig:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    api_key_probes: bool = False  # --api-key-probes: the key on /health, /ready, /metrics too
+    allowed_origins: tuple[str, ...] = ()  # --allowed-origins: CORS (empty: off)
     fitted: Any = None  # FittedConfig: the supervisor fitted it, once, for every process
     attach: Any = None  # EngineAttachment: the engine cores the supervisor started
 
@@ -90,6 +92,7 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
     engine = AsyncLLM.attached(cfg.fitted, cfg.attach)
     pin_to_cpus(engine.config.parallel.frontend_cpus(), all_threads=True)  # off the workers' cores
     state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key,
+                        api_key_probes=cfg.api_key_probes, allowed_origins=cfg.allowed_origins,
                         served_model_names=cfg.served_model_names, tool_call_parser=cfg.tool_call_parser,
                         enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser)
     app = _InFlight(build_app(state), cfg.index)

@@ -129,6 +129,7 @@ def prepare_server(engine_args: EngineArgs, args: argparse.Namespace, *,
     check_tool_flags(args)
     cfg = ApiServerConfig(
         served_model_names=served_model_names(engine_args.model, args.served_model_name), api_key=args.api_key,
+        api_key_probes=args.api_key_probes, allowed_origins=tuple(args.allowed_origins or ()),
         loop=loop, shutdown_timeout=args.shutdown_timeout, ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile, log_level=args.log_level, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,

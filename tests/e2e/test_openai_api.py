@@ -118,17 +118,18 @@ def test_startup_log_and_metrics(client, server):
 def test_models_and_small_routes(client, server):
     assert [m.id for m in client.models.list()] == ["tiny"]
     base = server.base_url
-    tokens = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}).json()
+    auth = {"authorization": f"Bearer {KEY}"}
+    tokens = httpx.post(base + "/tokenize", json={"prompt": "Hello world"}, headers=auth).json()
     assert tokens["count"] == len(tokens["tokens"])
-    assert httpx.post(base + "/detokenize", json={"tokens": tokens["tokens"][1:]}).json()["prompt"] == "Hello world"
-    chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert httpx.post(base + "/detokenize", json={"tokens": tokens["tokens"][1:]}, headers=auth).json()["prompt"] == "Hello world"
+    chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=auth).json()
     assert chat["count"] == len(chat["tokens"]) > 2
     # Malformed bodies are 400s naming the field, never a 500 (the fuzzer's one finding).
     for bad, param in (({"messages": True}, "messages"), ({"messages": [{"content": 1}]}, "messages"),
                        ({"prompt": 5}, "prompt"), ({"prompt": "x", "nonsense": 1}, None)):
-        r = httpx.post(base + "/tokenize", json=bad)
+        r = httpx.post(base + "/tokenize", json=bad, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
-    assert httpx.get(base + "/version").json()["version"]
+    assert httpx.get(base + "/version", headers=auth).json()["version"]
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.get(base + "/ready").status_code == 200
 
@@ -154,13 +155,25 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, client, bo
 
 
 def test_unknown_route_and_auth(server):
-    assert httpx.get(server.base_url + "/nowhere").status_code == 404
-    assert httpx.get(server.base_url + "/nowhere").json()["error"]["code"] == 404
+    auth = {"authorization": f"Bearer {KEY}"}
+    assert httpx.get(server.base_url + "/nowhere", headers=auth).status_code == 404
+    assert httpx.get(server.base_url + "/nowhere", headers=auth).json()["error"]["code"] == 404
+    assert httpx.get(server.base_url + "/nowhere").status_code == 401
     r = httpx.post(server.base_url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.get(server.base_url + "/v1/models", headers={"authorization": "Bearer wrong"})
     assert r.status_code == 401
-    assert httpx.get(server.base_url + "/health").status_code == 200  # not under /v1
+    # Every route but the probes needs the key (the probes are what orchestrators poll).
+    for path in ("/tokenize", "/detokenize"):
+        r = httpx.post(server.base_url + path, json={"prompt": "hi"})
+        assert r.status_code == 401, path
+    assert httpx.get(server.base_url + "/version").status_code == 401
+    for probe in ("/health", "/ready", "/metrics"):
+        assert httpx.get(server.base_url + probe).status_code == 200, probe
+    # CORS is off unless --allowed-origins: no Access-Control header, even to a preflight.
+    r = httpx.options(server.base_url + "/v1/models", headers={"origin": "https://evil.example",
+                                                               "access-control-request-method": "GET"})
+    assert not any(h.lower().startswith("access-control-") for h in r.headers)
 
 
 def test_body_size_limit(server):

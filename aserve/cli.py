@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_arguments(gen, model_positional=False)
 
     run = sub.add_parser("run", help="serve a model over the OpenAI HTTP API",
-                         description="Serve MODEL (a Hugging Face-format directory; the embedded default model when "
+                         description="Serve MODEL (a Hugging Face-format directory; the trained default model when "
                                      "omitted) over the OpenAI HTTP API.")
     server = run.add_argument_group("server options")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -1,7 +1,7 @@
 """Writes Hugging Face-format Llama-family directories with random weights.
 
-Used for the embedded default model, by the benchmark scripts and by tests that do not
-need ``transformers``. The result loads in aserve and in ``transformers`` alike.
+Used by the benchmark scripts and by tests that do not need ``transformers`` (the
+default model ``aserve run`` serves is a trained one: ``aserve.default_model``). The result loads in aserve and in ``transformers`` alike.
 """
 
 from __future__ import annotations
@@ -101,11 +101,9 @@ def default_model_config() -> dict[str, Any]:
 
 
 def ensure_default_model(cache_dir: Path) -> Path:
-    """The default model's directory, built on first use (atomically, in a second or so).
-
-    Its weights are random: it produces fluent-looking nonsense, which is enough to try
-    every feature of the server without a download.
-    """
+    """The random 7M test model's directory (the benchmarks' 7M shape), built on first use
+    into ``cache_dir`` (atomically, in a second or so). Its text is nonsense; tests use it
+    as the control against the trained default model, and where any model will do."""
     target = cache_dir / DEFAULT_MODEL_NAME
     if (target / "model.safetensors").is_file():
         return target

@@ -40,7 +40,7 @@ def config_for(size: str) -> dict:
 
 def qwen3_extras(cfg: dict, *, seed: int, std: float = 0.02) -> dict:
     """Qwen3's per-head q/k norm weights, and for the MoE each layer's router and experts
-    in place of the dense MLP ``random_llama_weights`` wrote."""
+    (the caller drops the dense MLP ``random_llama_weights`` wrote)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -51,8 +51,6 @@ def qwen3_extras(cfg: dict, *, seed: int, std: float = 0.02) -> dict:
         out[p + "self_attn.q_norm.weight"] = torch.ones(d)
         out[p + "self_attn.k_norm.weight"] = torch.ones(d)
         if "num_experts" in cfg:
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{p}mlp.{name}.weight"] = None  # every layer is sparse: no dense MLP
             inter = cfg["moe_intermediate_size"]
             out[p + "mlp.gate.weight"] = torch.randn(cfg["num_experts"], h, generator=gen) * std
             for e in range(cfg["num_experts"]):
@@ -74,7 +72,9 @@ def main() -> None:
     cfg = config_for(args.size)
     weights = random_llama_weights(cfg, seed=0)
     if cfg["architectures"][0].startswith("Qwen3"):
-        weights = {k: v for k, v in (weights | qwen3_extras(cfg, seed=1)).items() if v is not None}
+        if "num_experts" in cfg:  # every layer is sparse: no dense MLP
+            weights = {k: v for k, v in weights.items() if ".mlp." not in k}
+        weights |= qwen3_extras(cfg, seed=1)
     write_model_dir(args.out_dir, cfg, weights)
     print(f"wrote {args.out_dir}")
 

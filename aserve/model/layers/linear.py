@@ -243,7 +243,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_local_kv_heads = 1
         self.num_local_heads = num_heads // tp.size
         self.head_dim = head_dim
-        self._kv_replicas = max(1, tp.size // num_kv_heads)
+        # Ranks that hold each KV head (more ranks than KV heads replicate them).
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
         self._num_kv_heads = num_kv_heads
         q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
         super().__init__(hidden, [q * tp.size, kv * tp.size, kv * tp.size], bias=bias, tp=tp, dtype=dtype)
@@ -259,7 +260,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         index = {"q": 0, "k": 1, "v": 2}[shard_id]
         offset = sum(self.local_sizes[:index])
         rows = self.local_sizes[index]
-        rank = self.tp.rank if index == 0 else self.tp.rank // self._kv_replicas
+        rank = self.tp.rank if index == 0 else self.tp.rank // self.kv_replicas
         return offset, rows, rank * rows
 
 

@@ -74,24 +74,28 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias, tp=tp, dtype=dtype)
         self.qk_norm = opts.qk_norm
-        self.use_qk_norm = opts.qk_norm == "head"
         if opts.qk_norm == "head":
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, offset=opts.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, offset=opts.norm_offset)
         elif opts.qk_norm == "full":
             q_start = tp.rank * self.q_size
-            kv_rank = tp.rank // self.qkv_proj._kv_replicas
+            kv_rank = tp.rank // self.qkv_proj.kv_replicas
             self.q_norm = ShardedRMSNorm(cfg.num_attention_heads * cfg.head_dim, q_start, q_start + self.q_size,
                                          cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = ShardedRMSNorm(cfg.num_key_value_heads * cfg.head_dim, kv_rank * self.kv_size,
                                          (kv_rank + 1) * self.kv_size, cfg.rms_norm_eps, dtype=dtype,
-                                         replicas=self.qkv_proj._kv_replicas)
+                                         replicas=self.qkv_proj.kv_replicas)
         self.rotary = rotary
         self.window = cfg.window_of(layer)
         self.softcap = cfg.attn_softcap
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale,
                               window=self.window, softcap=self.softcap)
+
+    @property
+    def use_qk_norm(self) -> bool:
+        """Per-head q/k norms (what the one-call decode stack computes)."""
+        return self.qk_norm == "head"
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, kv_cache: LayerKV,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -6,7 +6,7 @@ variable                     meaning                                            
 ``ASERVE_CACHE_DIR``         where the default model and C kernels are built      ``~/.cache/aserve``
 ``ASERVE_LOG_LEVEL``         log level of aserve's loggers                        ``INFO``
 ``ASERVE_CPU_ATTENTION``     ``sdpa``: no C attention kernels (decode, prefill)   ``kernel``
-``ASERVE_CPU_FUSED_OPS``     ``0``: no C RMSNorm / SiLU / rotary kernels          ``1``
+``ASERVE_CPU_FUSED_OPS``     ``0``: no C RMSNorm / SiLU / rotary / token-mask     ``1``
 ``ASERVE_CPU_AMX``           ``0``: bf16 linear layers on oneDNN, not AMX tiles   ``1``
 ``ASERVE_CPU_FUSED_DECODE``  ``0``: decode steps call each layer's kernels apart  ``1``
 ``ASERVE_DP_SECRET``         shared secret of a multi-node server's TCP wires     none (``--dp-secret``)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 
 from aserve import LLM, SamplingParams
@@ -149,8 +150,66 @@ def test_the_grammar_starts_after_its_marker(llama_dir):
     marker = tok.encode("</think>", add_special_tokens=False)
     state.add("r", compile_grammar(SO(choice=["yes"])), marker, tok.encode("I think", add_special_tokens=False))
     assert state.allowed(["r"]) is None  # still thinking: free
-    for token in marker:
-        state.advance("r", token)
-    rows, allowed = state.allowed(["free", "r"])
+    state.after_step([("r", token) for token in marker])
+    rows, bits = state.allowed(["free", "r"])
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : tok.vocab_size]
     assert rows == [1] and allowed[0].sum() >= 1
     assert all(tok.decode([t]) and "yes".startswith(tok.decode([t])) for t in allowed[0].nonzero()[0].tolist())
+
+
+def test_masks_kept_from_the_last_step_equal_masks_computed_on_the_spot(llama_dir):
+    """The same walk through two GrammarStates, one using the masks it computed at the end
+    of the last step and one made to compute every mask on the spot: requests join
+    mid-walk, leave, come back after preemption (a new matcher fed the tokens so far), and
+    one starts its grammar after a marker."""
+    from aserve.frontend.tokenizer import Tokenizer
+
+    tok = Tokenizer(Path(llama_dir))
+    person, digits = compile_grammar(SO(json=PERSON)), compile_grammar(SO(regex="[0-9]{1,40}"))
+    marker = tok.encode("</think>", add_special_tokens=False)
+    kept = GrammarState(Path(llama_dir), tok.vocab_size, (tok.eos_token_id,))
+    fresh = GrammarState(Path(llama_dir), tok.vocab_size, (tok.eos_token_id,))
+    rng = np.random.default_rng(0)
+    outputs: dict[str, list[int]] = {}
+    grammars: dict[str, tuple[str, list[int]]] = {}
+
+    def add(rid, grammar, after=()):
+        grammars[rid] = (grammar, list(after))
+        for state in (kept, fresh):
+            state.add(rid, grammar, list(after), list(outputs.setdefault(rid, [])))
+
+    add("a", person)
+    add("b", digits)
+    add("think", person, marker)
+    reused = 0
+    for step in range(60):
+        if step == 5:
+            add("c", person)
+        if step == 20:  # "b" is preempted, then comes back with its tokens so far
+            kept.remove("b"), fresh.remove("b")
+            add("b", *grammars["b"])
+        if step == 30:
+            kept.remove("c"), fresh.remove("c")
+        if step == 8:  # the marker arrives: "think" is constrained from now on
+            outputs["think"] += marker
+            kept.after_step([("think", t) for t in marker]), fresh.after_step([("think", t) for t in marker])
+            continue
+        rids = sorted(outputs) + ["free"]
+        rids = [r for r in rids if r in kept or r == "free"]
+        reused += sum(1 for r in rids if r in kept._next)
+        fresh._next = {}
+        got, expected = kept.allowed(rids), fresh.allowed(rids)
+        assert got is not None and expected is not None
+        assert got[0] == expected[0]
+        assert np.array_equal(got[1], expected[1]), f"step {step}"
+        sampled = []
+        for row, mask in zip(got[0], got[1]):
+            allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[: tok.vocab_size].nonzero()[0]
+            sampled.append((rids[row], int(rng.choice(allowed))))
+        if "think" not in [r for r, _ in sampled]:  # still thinking: free tokens
+            sampled.append(("think", int(rng.integers(tok.vocab_size))))
+        for rid, t in sampled:
+            outputs[rid].append(t)
+        kept.after_step(sampled + [("free", 5)])
+        fresh.after_step(sampled + [("free", 5)])
+    assert reused > 100  # the kept masks were used, not recomputed

@@ -15,10 +15,14 @@ once per text (later requests copy it) against the model's vocabulary read from
 runs free until those tokens appear in its output. A preempted request comes back with
 its tokens so far, and its matcher is rebuilt and fed them again.
 
-The masks are computed in the step, for the batch's constrained rows in one llguidance
-call. Computing them ahead, on a thread, while the next forward pass ran was measured and
-not kept: on two busy cores it gave the same throughput (``docs/performance.md``), since
-the work still takes a core someone needs.
+The next masks are computed at the end of a step, right after the sampled tokens are
+consumed, while the matchers' data is still in the cache, and kept for the next step's
+:meth:`GrammarState.allowed` (which computes on the spot only the rows it has none for:
+a request new to the step). Measured in the worker (``docs/performance.md``), a mask
+computed after a forward pass has flushed the caches costs several times one computed
+warm; xgrammar's masks cost the same as llguidance's there. A thread computing the masks
+during the forward pass was measured too and not kept: on two busy cores it took more
+CPU in all (0.64 s against 0.45 s a load) and the steps were no shorter.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class _Constrained:
 
 
 class GrammarState:
-    """The matchers of one worker's constrained requests."""
+    """The matchers of one worker's constrained requests; only the worker's thread calls it."""
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.model_dir = model_dir
@@ -56,17 +60,10 @@ class GrammarState:
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
         self._words = (vocab_size + 31) // 32
-        self._executor_: Any = None
-
-    @property
-    def _executor(self) -> Any:
-        if self._executor_ is None:
-            import llguidance
-
-            # One thread: the batch's masks take microseconds each, and more threads
-            # would take cores from the forward pass.
-            self._executor_ = llguidance.LLExecutor(num_threads=1)
-        return self._executor_
+        # The masks computed at the end of the last step: req id -> (the matcher then,
+        # its row of _next_bits).
+        self._next: dict[str, tuple[Any, int]] = {}
+        self._next_bits = np.zeros((0, self._words), dtype=np.int32)
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -102,44 +99,70 @@ class GrammarState:
         state = _Constrained(self._matcher_for(grammar), tuple(after), active=not after)
         self._requests[req_id] = state
         for token in output_ids:
-            self._feed(state, token)
+            _feed(state, token)
 
     def remove(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 
-    def advance(self, req_id: str, token: int) -> None:
-        state = self._requests.get(req_id)
-        if state is not None:
-            self._feed(state, token)
-
-    def _feed(self, state: _Constrained, token: int) -> None:
-        if state.active:
-            state.matcher.consume_token(token)  # a refused token (a dropped in-flight row) leaves it in error: harmless
-            return
-        state.recent.append(token)
-        del state.recent[: -len(state.after)]
-        if tuple(state.recent) == state.after:
-            state.active, state.recent = True, []
+    def after_step(self, sampled: list[tuple[str, int]]) -> None:
+        """The step's sampled ``(req id, token)`` pairs (those of unconstrained requests are
+        ignored): advance the matchers, then compute their next masks while warm."""
+        active: list[tuple[str, _Constrained]] = []
+        for rid, token in sampled:
+            state = self._requests.get(rid)
+            if state is not None:
+                _feed(state, token)
+                if state.active:
+                    active.append((rid, state))
+        bits = np.empty((len(active), self._words), dtype=np.int32)
+        base, row_bytes = bits.ctypes.data, self._words * 4
+        for k, (_, state) in enumerate(active):
+            state.matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+        self._next_bits = bits
+        self._next = {rid: (state.matcher, k) for k, (rid, state) in enumerate(active)}
 
     def allowed(self, req_ids: list[str]) -> tuple[list[int], np.ndarray] | None:
         """For the sampling rows ``req_ids``: (indices of the rows under an active grammar,
-        numpy bool [k, vocab] of the tokens each may sample), or None when no row is."""
+        int32 [k, words] of their packed masks: bit ``t % 32`` of word ``t // 32`` set where
+        token ``t`` may come next), or None when no row is. A matcher in error (it refused
+        a token: a row the engine drops anyway) allows only the end of sequence."""
         rows: list[int] = []
-        matchers: list[tuple[Any, int]] = []
+        kept: list[int] = []  # per row: its row of _next_bits, or -1
         for i, rid in enumerate(req_ids):
             state = self._requests.get(rid)
-            if state is not None and state.active:
-                matchers.append((state.matcher, len(rows)))
-                rows.append(i)
+            if state is None or not state.active:
+                continue
+            rows.append(i)
+            known = self._next.get(rid)
+            kept.append(known[1] if known is not None and known[0] is state.matcher else -1)
         if not rows:
             return None
-        bits = np.zeros((len(rows), self._words), dtype=np.int32)
-        # One call for the batch, with the GIL released (a matcher in error yields an empty mask).
-        self._executor.unsafe_compute_mask_ptr(matchers, bits.ctypes.data, self._words * 4, len(rows))
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size].view(bool)
-        empty = ~allowed.any(axis=1)
+        if min(kept) >= 0:
+            bits = self._next_bits[kept]
+        else:
+            bits = np.empty((len(rows), self._words), dtype=np.int32)
+            row_bytes = self._words * 4
+            for k, (i, row) in enumerate(zip(rows, kept)):
+                if row >= 0:
+                    bits[k] = self._next_bits[row]
+                else:
+                    self._requests[req_ids[i]].matcher.unsafe_compute_mask_ptr(bits.ctypes.data + k * row_bytes,
+                                                                               row_bytes)
+        empty = ~bits.any(axis=1)
         if empty.any():
-            # A matcher in error (a token it refused, from a row the engine drops anyway):
-            # let the row end rather than sample from nothing.
-            allowed[np.nonzero(empty)[0][:, None], [t for t in self.eos_token_ids if t < self.vocab_size] or [0]] = True
-        return rows, allowed
+            # llguidance gives an empty mask only for a matcher in error: let the row end
+            # rather than sample from nothing.
+            words = bits.view(np.uint32)
+            for t in [t for t in self.eos_token_ids if t < self.vocab_size] or [0]:
+                words[empty, t // 32] |= np.uint32(1 << (t % 32))
+        return rows, bits
+
+
+def _feed(state: _Constrained, token: int) -> None:
+    if state.active:
+        state.matcher.consume_token(token)  # a refused token (a dropped in-flight row) leaves it in error: harmless
+        return
+    state.recent.append(token)
+    del state.recent[: -len(state.after)]
+    if tuple(state.recent) == state.after:
+        state.active, state.recent = True, []

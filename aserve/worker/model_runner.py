@@ -26,6 +26,7 @@ from aserve.kernels.cpu_decode_attention import DecodeAttention
 from aserve.kernels.cpu_decode_attention import load as load_decode_kernel
 from aserve.kernels.cpu_prefill_attention import PrefillAttention
 from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
+from aserve.kernels.token_mask import TokenMaskKernel
 from aserve.sampling_params import SamplingParams
 from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
 from aserve.worker.decode_staging import DecodeStaging
@@ -54,15 +55,17 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True,
-                 device: torch.device | None = None, grammars: GrammarState | None = None) -> None:
+                 device: torch.device | None = None, grammars: GrammarState | None = None,
+                 token_mask: TokenMaskKernel | None = None) -> None:
         """``device``: where ``model`` is (default: the CPU); ``grammars``: the
-        structured-output state of constrained requests (None: none may come)."""
+        structured-output state of constrained requests (None: none may come);
+        ``token_mask``: the C kernel that applies their masks (None: numpy)."""
         self.model = model
         self.grammars = grammars
         self.device = device or torch.device("cpu")
         self.on_cpu = self.device.type == "cpu"
         self.block_size = block_size
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, token_mask)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[LayerKV] = []
         self.model_dtype: torch.dtype | None = None  # set by init_kv_cache
@@ -236,6 +239,8 @@ class ModelRunner:
 
         # Rows that reach the end of their known tokens sample the next one.
         sample_rows = [r for r, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == len(s.token_ids)]
+        sample_ids = [scheduled[r][0].req_id for r in sample_rows]
+        constrained = self.grammars is not None and len(self.grammars) > 0
         prompt_logprobs = self._prompt_logprobs(scheduled, starts, hidden)
         if not sample_rows:
             return RunnerOutput([], [], {}, prompt_logprobs)
@@ -244,20 +249,17 @@ class ModelRunner:
         if not self.on_cpu:
             logits = logits.float().cpu()  # the sampler's generators are the host's
         rows = [scheduled[r][0] for r in sample_rows]
-        allowed = self.grammars.allowed([s.req_id for s in rows]) if self.grammars is not None and len(self.grammars) else None
+        allowed = self.grammars.allowed(sample_ids) if constrained else None
         tokens, logprobs = self.sampler(
             logits, [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_token_ids) for s in rows], allowed
         )
         for state, token in zip(rows, tokens):
             state.token_ids.append(token)
-        if self.grammars is not None and len(self.grammars):
+        if constrained:
             # Every constrained row, active or still before its grammar's start marker.
-            advanced = [(s.req_id, t) for s, t in zip(rows, tokens) if s.req_id in self.grammars]
-            for rid, token in advanced:
-                self.grammars.advance(rid, token)
-        req_ids = [s.req_id for s in rows]
+            self.grammars.after_step(list(zip(sample_ids, tokens)))
         return RunnerOutput(
-            req_ids, tokens, {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None}, prompt_logprobs
+            sample_ids, tokens, {rid: lp for rid, lp in zip(sample_ids, logprobs) if lp is not None}, prompt_logprobs
         )
 
     def _prompt_logprobs(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int], hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:

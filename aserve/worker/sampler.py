@@ -18,11 +18,11 @@ same numbers in the same order, so all ranks pick the same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from aserve.kernels.token_mask import TokenMaskKernel, apply_token_bitmask_numpy
 from aserve.sampling_params import SamplingParams
 from aserve.wire.messages import TokenLogprobs
 
@@ -46,13 +46,15 @@ def _seeded_generator(seed: int, position: int) -> torch.Generator:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, token_mask: TokenMaskKernel | None = None) -> None:
+        """``token_mask``: the C kernel that applies grammar masks (None: numpy)."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.token_mask = token_mask
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 allowed: tuple[list[int], Any] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: [N, V] for N rows; ``allowed``: (row indices, numpy bool [k, V]) of rows
-        under a grammar. Returns the chosen token ids and, for rows that asked, their
+                 allowed: tuple[list[int], np.ndarray] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [N, V] for N rows; ``allowed``: (row indices, packed masks [k, words]) of
+        rows under a grammar (``GrammarState.allowed``). Returns the chosen token ids and, for rows that asked, their
         logprobs (chosen token first, then the top-n)."""
         logits = logits.float()
         n_rows = len(rows)
@@ -99,23 +101,16 @@ class Sampler:
                     logprob_out[i] = top_logprobs(raw_logprobs[i], token_list[i], row.params.logprobs or 0)
         return token_list, logprob_out
 
-    @staticmethod
-    def _apply_grammar(logits: torch.Tensor, row_index: list[int], allowed: Any) -> torch.Tensor:
-        """Mask, in rows ``row_index``, every token ``allowed`` (bool [k, V], numpy) does
-        not allow. In numpy, on the tensor's memory: a few small array operations, where
-        torch's indexing costs a dispatch each (about 5x the time at 32 rows)."""
+    def _apply_grammar(self, logits: torch.Tensor, row_index: list[int], bits: np.ndarray) -> torch.Tensor:
+        """Mask, in rows ``row_index``, every token the packed masks ``bits`` ([k, words]
+        int32, ``aserve.kernels.token_mask``'s layout) do not allow; in place, on the
+        C kernel where it is loaded (one call), else through numpy on the same memory."""
         if not logits.is_contiguous():
             logits = logits.contiguous()
-        values = logits.numpy()  # the same memory
-        width = min(values.shape[1], allowed.shape[1])
-        sub = values[row_index]  # [k, V], a copy
-        sub[:, :width][~allowed[:, :width]] = _MASK
-        sub[:, width:] = _MASK
-        dead = np.isneginf(sub.max(axis=1))
-        if dead.any():  # min_tokens (or a penalty) masked all the grammar allows
-            sub[dead] = _MASK
-            sub[dead, :width] = np.where(allowed[dead, :width], 0.0, _MASK)
-        values[row_index] = sub
+        if self.token_mask is not None:
+            self.token_mask.apply(logits, row_index, bits)
+        else:
+            apply_token_bitmask_numpy(logits.numpy(), row_index, bits)
         return logits
 
     @staticmethod

@@ -21,6 +21,7 @@ from aserve.kernels.cpu_fused_ops import load as load_fused_ops
 from aserve.kernels.f32_linear import load as load_f32_linear
 from aserve.kernels.llama_decode import load as load_decode_stack
 from aserve.kernels.llama_decode import load_float32 as load_float32_decode_stack
+from aserve.kernels.token_mask import load as load_token_mask
 from aserve.progress import ProgressBar
 from aserve.model.layers.linear import prepack_linears
 from aserve.model.loader import load_model, resolve_dtype
@@ -82,7 +83,8 @@ class Worker:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,
                                   device=self.device,
-                                  grammars=GrammarState(model_dir, arch.vocab_size, arch.eos_token_ids))
+                                  grammars=GrammarState(model_dir, arch.vocab_size, arch.eos_token_ids),
+                                  token_mask=load_token_mask())
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(
             config.cache.num_blocks,

@@ -26,6 +26,7 @@ import sys
 import traceback
 from typing import Any, NoReturn
 
+from aserve.api.limits import ServerLimits
 from aserve.engine.args import add_cli_arguments, from_cli
 from aserve.errors import AserveError, ConfigError
 
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--loop", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
                         help="event loop (default auto: uvloop when installed, else asyncio)")
     server.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    _add_limit_arguments(run)
     nodes = run.add_argument_group("data parallelism across nodes (docs/data-parallel.md)")
     nodes.add_argument("--dp-size-local", "--data-parallel-size-local", dest="dp_size_local", type=int, default=None,
                        help="engines on this node (default: all); the rest run on headless nodes")
@@ -106,6 +108,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_arguments(run, model_positional=True)
     _add_bench_parser(sub)
     return parser
+
+
+def _add_limit_arguments(run: Any) -> None:
+    """``ServerLimits``' fields, one flag each (aserve.api.limits, docs/serving.md)."""
+    d = ServerLimits()
+    limits = run.add_argument_group("admission, deadlines and request limits (docs/serving.md, \"Limits\")")
+    limits.add_argument("--max-num-queued-reqs", type=int, default=None,
+                        help="requests the whole server holds, waiting or running, before it answers 429 (default: "
+                             "no limit); a request counts once per prompt and per n")
+    limits.add_argument("--max-num-queued-tokens", type=int, default=None,
+                        help="prompt tokens waiting for their prefill, server-wide, before new requests get 429 "
+                             "(default: no limit)")
+    limits.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may take in all before it is aborted with 408 (default: none; "
+                             "a request may shorten it with the X-Request-Timeout header)")
+    limits.add_argument("--max-queue-time", type=float, default=None,
+                        help="seconds a request may wait for its first engine step before it is aborted with 408 "
+                             "(default: none; X-Max-Queue-Time shortens it)")
+    for flag, name, what in (("--max-n", "max_n", "n"), ("--max-prompts", "max_prompts", "prompts"),
+                             ("--max-stop", "max_stop", "stop strings"),
+                             ("--max-stop-chars", "max_stop_chars", "characters of one stop string"),
+                             ("--max-logprobs", "max_logprobs", "logprobs / top_logprobs"),
+                             ("--max-logit-bias", "max_logit_bias", "logit_bias entries"),
+                             ("--max-messages", "max_messages", "chat messages"),
+                             ("--max-message-chars", "max_message_chars", "characters of all messages together")):
+        limits.add_argument(flag, dest=name, type=int, default=getattr(d, name),
+                            help=f"the most {what} a request may ask for (default {getattr(d, name)}); more is a 400")
 
 
 def _add_bench_parser(sub: Any) -> None:

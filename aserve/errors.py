@@ -7,7 +7,10 @@
     │   ├── EmptyPromptError
     │   ├── PromptTooLongError
     │   ├── InvalidSamplingParamsError
+    │   ├── RequestLimitError: a request asks for more than the server's limits allow
     │   └── ConfigError: an engine setting is invalid or does not fit the model
+    ├── RequestRefusedError: the server is full (admission control); retry after a while
+    ├── RequestTimeoutError: a request's deadline passed; it was aborted
     ├── ModelLoadError: a model directory cannot be loaded
     │   ├── UnsupportedArchitectureError
     │   ├── UnsupportedModelFeatureError: a rope type, activation or quantization aserve lacks
@@ -53,6 +56,11 @@ class InvalidSamplingParamsError(InvalidInputError):
     """A sampling parameter is out of its range."""
 
 
+class RequestLimitError(InvalidInputError):
+    """A request asks for more than a limit of the server allows (``n``, prompts, stop
+    strings, logprobs, ``logit_bias`` entries, messages); ``param`` names the field."""
+
+
 class ConfigError(InvalidInputError):
     """A configuration value is invalid or inconsistent with the model."""
 
@@ -80,6 +88,28 @@ class ModelFileNotFoundError(ModelLoadError, FileNotFoundError):
 
 class CorruptModelFileError(ModelLoadError):
     """A model file exists but cannot be parsed, or its tensors do not fit the config."""
+
+
+class RequestRefusedError(AserveError):
+    """Admission control refused a request: the server holds as many requests (or
+    prompt tokens waiting for their prefill) as its limits allow. Nothing was rendered,
+    tokenised or sent. ``reason`` names the limit; ``retry_after`` is the estimated
+    seconds until there is room (an HTTP 429 with ``Retry-After``)."""
+
+    def __init__(self, message: str, *, reason: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(AserveError):
+    """A request's deadline passed (``request_timeout``: its whole life;
+    ``max_queue_time``: waiting before its first step); it was aborted in its engine,
+    whose blocks are free again after the next step. ``param`` names the deadline."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineDeadError(AserveError):

@@ -96,6 +96,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +158,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 fail("stop", "must be a string or a list of strings")
             if any(s == "" for s in self.stop):
                 fail("stop", "must not contain an empty string")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+                    and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+                fail("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
         if self.stop_token_ids is not None and not all(
             isinstance(t, int) and t >= 0 for t in self.stop_token_ids
         ):

@@ -59,7 +59,8 @@ class FakeEngine:
         return prepared
 
     async def generate(self, prompt: PreparedPrompt, sampling_params: None = None, request_id: str | None = None, *,
-                       priority: int = 0, data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, data_parallel_rank: int | None = None,
+                       max_queue_time: float | None = None) -> AsyncIterator[RequestOutput]:
         ids = prompt.token_ids[: prompt.params.max_tokens]
         for i, token in enumerate(ids):
             last = i == len(ids) - 1

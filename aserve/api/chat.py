@@ -31,6 +31,7 @@ from aserve.api.generation import (
     run_prompts,
     usage_body,
 )
+from aserve.api.limits import Deadlines, check_chat
 from aserve.api.protocol import ChatCompletionRequest, RequestError, decode_body
 from aserve.api.reasoning import END as THINK_END
 from aserve.api.reasoning import ReasoningStream, prompt_closed_thinking
@@ -105,9 +106,12 @@ class _Reply:
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Any:
+    start = time.monotonic()
     check_serving(state)
     req: ChatCompletionRequest = decode_body(await read_body(request, state.max_body_bytes), ChatCompletionRequest)
     check_model(state, req.model)
+    check_chat(state.limits, req)
+    deadlines = Deadlines.of(state.limits, request.headers, start)
     engine = state.engine
     tok = engine.tokenizer
     tools = tool_calls.check_tools(req.tools)
@@ -118,20 +122,26 @@ async def create_chat_completion(state: ServerState, request: Request) -> Any:
     if forced is not None and constraint is not None:
         raise RequestError(f"tool_choice {'required' if choice == 'required' else 'of a named function'} "
                            f"constrains the output already: drop {constraint[0]}", param=constraint[0])
-    prompt = engine.render_chat(tool_calls.template_messages(req.messages),
-                                add_generation_prompt=req.add_generation_prompt,
-                                tools=[msgspec.to_builtins(t) for t in req.tools] if req.tools else None,
-                                template_kwargs=req.chat_template_kwargs)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = req.sampling_params(max_tokens=req.requested_max_tokens(), logprobs=logprobs)
     if forced is not None:
         params = msgspec.structs.replace(params, structured_outputs=forced)
-    grammar_after: tuple[int, ...] = ()
-    if state.reasoning_parser is not None and not prompt_closed_thinking(prompt["prompt"]):
-        grammar_after = tuple(tok.encode(THINK_END, add_special_tokens=False))  # constrain the answer only
-    source = constraint[0] if constraint else "tools" if forced is not None else "structured_outputs"
-    prepared = engine.prepare(prompt, params, grammar_after=grammar_after, constraint_param=source)
     rank = dp_rank(state, request, req)
+    ticket = state.admission.reserve(params.n)  # before the template is rendered
+    try:
+        prompt = engine.render_chat(tool_calls.template_messages(req.messages),
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    tools=[msgspec.to_builtins(t) for t in req.tools] if req.tools else None,
+                                    template_kwargs=req.chat_template_kwargs)
+        grammar_after: tuple[int, ...] = ()
+        if state.reasoning_parser is not None and not prompt_closed_thinking(prompt["prompt"]):
+            grammar_after = tuple(tok.encode(THINK_END, add_special_tokens=False))  # constrain the answer only
+        source = constraint[0] if constraint else "tools" if forced is not None else "structured_outputs"
+        prepared = engine.prepare(prompt, params, grammar_after=grammar_after, constraint_param=source)
+        ticket.add_prompt_tokens([len(prepared.token_ids)])
+    except BaseException:
+        ticket.release(finished=False)
+        raise
     rid, created, model, n = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name, params.n
     replies = [_Reply(i, ReasoningStream(state.reasoning_parser) if state.reasoning_parser else None,
                       tool_calls.call_stream(choice, parser)) for i in range(n)]
@@ -174,7 +184,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Any:
                     if c.finish_reason is not None:
                         await write(chunk(c.index, {}, reply.reason(c.finish_reason)))
 
-            await run_prompts(state, [prepared], req.priority, on_output, rank)
+            await run_prompts(state, [prepared], req.priority, on_output, rank, ticket=ticket, deadlines=deadlines)
             if req.include_usage:
                 await write(sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
                                        "model": model, "choices": [], "usage": usage_body(usage)}))
@@ -194,7 +204,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Any:
                 if c.finish_reason is not None:
                     reply.finish_reason = c.finish_reason
 
-        await run_prompts(state, [prepared], req.priority, on_output, rank)
+        await run_prompts(state, [prepared], req.priority, on_output, rank, ticket=ticket, deadlines=deadlines)
         body_choices = []
         for reply, text in zip(replies, texts):
             reply.feed(text)

@@ -24,6 +24,7 @@ from aserve.api.generation import (
     run_prompts,
     usage_body,
 )
+from aserve.api.limits import Deadlines, check_completion
 from aserve.api.protocol import CompletionRequest, decode_body
 from aserve.api.responses import SSE_DONE, ComputedJSONResponse, EventStreamResponse, sse_event
 from aserve.outputs import PositionLogprobs
@@ -31,16 +32,26 @@ from aserve.sampling_params import DEFAULT_MAX_TOKENS
 
 
 async def create_completion(state: ServerState, request: Request) -> Any:
+    start = time.monotonic()
     check_serving(state)
     req: CompletionRequest = decode_body(await read_body(request, state.max_body_bytes), CompletionRequest)
     check_model(state, req.model)
+    prompts = req.prompts()
+    check_completion(state.limits, req, len(prompts))
+    deadlines = Deadlines.of(state.limits, request.headers, start)
     engine = state.engine
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs)
     constraint = req.output_constraint()
     source = constraint[0] if constraint else "structured_outputs"
-    prepared = [engine.prepare(prompt, params, constraint_param=source) for prompt in req.prompts()]
     rank = dp_rank(state, request, req)
+    ticket = state.admission.reserve(len(prompts) * params.n)  # before any tokenising
+    try:
+        prepared = [engine.prepare(prompt, params, constraint_param=source) for prompt in prompts]
+        ticket.add_prompt_tokens([len(p.token_ids) for p in prepared])
+    except BaseException:
+        ticket.release(finished=False)
+        raise
     rid, created, model, n = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.served_model_name, params.n
     tok = engine.tokenizer
     choices = [Choice(i) for i in range(len(prepared) * n)]
@@ -85,7 +96,7 @@ async def create_completion(state: ServerState, request: Request) -> Any:
                     choice.text += c.text
                     await write(chunk(choice.index, c.text, lps, c.finish_reason))
 
-            await run_prompts(state, prepared, req.priority, on_output, rank)
+            await run_prompts(state, prepared, req.priority, on_output, rank, ticket=ticket, deadlines=deadlines)
             if req.include_usage:
                 await write(sse_event({"id": rid, "object": "text_completion", "created": created, "model": model,
                                        "choices": [], "usage": usage_body(usage)}))
@@ -98,7 +109,7 @@ async def create_completion(state: ServerState, request: Request) -> Any:
             for c in out.outputs:
                 choices[i * n + c.index].add(c)
 
-        await run_prompts(state, prepared, req.priority, on_output, rank)
+        await run_prompts(state, prepared, req.priority, on_output, rank, ticket=ticket, deadlines=deadlines)
         body_choices = []
         for choice in choices:
             prefix = prompt_text(choice.index // n) if req.echo else ""

@@ -22,9 +22,11 @@ import anyio
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from aserve.api.admission import Admission, AdmissionCounters, Ticket
+from aserve.api.limits import Deadlines, ServerLimits
 from aserve.api.metrics import Metrics
 from aserve.api.responses import unwrap_errors
-from aserve.errors import EngineDeadError, InvalidInputError
+from aserve.errors import EngineDeadError, InvalidInputError, RequestTimeoutError
 from aserve.frontend.engine_client import EngineClient
 from aserve.frontend.input_processor import PreparedPrompt
 from aserve.outputs import PositionLogprobs, RequestOutput
@@ -47,6 +49,15 @@ class ServerState:
     tool_call_parser: str | None = None  # --tool-call-parser: reads tool_choice "auto"'s calls
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice (with a parser)
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content apart
+    limits: ServerLimits = field(default_factory=ServerLimits)  # admission, deadlines, bounds
+    # This API server's slot of the server-wide admission counts (None: private counts,
+    # as one API server, or a test, has).
+    admission_counters: AdmissionCounters | None = None
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.limits.admission, self.admission_counters or AdmissionCounters(),
+                                   on_refused=lambda reason: self.metrics.requests_refused.labels(reason).inc())
 
     def accepts(self, model: str) -> bool:
         return model == self.served_model_name or model in self.served_model_names
@@ -122,10 +133,25 @@ OnOutput = Callable[[int, RequestOutput], Awaitable[None]]
 
 
 async def run_prompts(state: ServerState, prepared: list[PreparedPrompt], priority: int, on_output: OnOutput,
-                      data_parallel_rank: int | None = None) -> None:
+                      data_parallel_rank: int | None = None, *, ticket: Ticket | None = None,
+                      deadlines: Deadlines = Deadlines()) -> None:
     """Generate every prompt concurrently; ``on_output(prompt_index, RequestOutput)`` per
     delta. Cancelling the caller aborts them all. Metrics are labelled with the serving
-    engine."""
+    engine. ``ticket``, the request's admission, is told of each first token and released
+    at the end, whatever the end. Past ``deadlines`` every prompt is aborted and
+    ``RequestTimeoutError`` raised."""
+    try:
+        await _run_prompts(state, prepared, priority, on_output, data_parallel_rank, ticket, deadlines)
+    except RequestTimeoutError as exc:
+        state.metrics.request_timeouts.labels(exc.param).inc()
+        raise
+    finally:
+        if ticket is not None:
+            ticket.release()
+
+
+async def _run_prompts(state: ServerState, prepared: list[PreparedPrompt], priority: int, on_output: OnOutput,
+                       data_parallel_rank: int | None, ticket: Ticket | None, deadlines: Deadlines) -> None:
     metrics, engine = state.metrics, state.engine
 
     async def one(i: int, prompt: PreparedPrompt) -> None:
@@ -134,7 +160,8 @@ async def run_prompts(state: ServerState, prepared: list[PreparedPrompt], priori
         request_id = f"{uuid.uuid4().hex}-{i}"
         engine_label = None
         async for out in engine.generate(prompt, request_id=request_id, priority=priority,
-                                         data_parallel_rank=data_parallel_rank):
+                                         data_parallel_rank=data_parallel_rank,
+                                         max_queue_time=deadlines.max_queue_time):
             if engine_label is None:  # the engine is known once generate has started
                 engine_label = str(engine.engine_for(request_id))
                 metrics.prompt_tokens.labels(engine_label).inc(len(prompt.token_ids))
@@ -148,6 +175,8 @@ async def run_prompts(state: ServerState, prepared: list[PreparedPrompt], priori
             if new_tokens:
                 generation_tokens.inc(new_tokens)
                 if first:
+                    if ticket is not None:
+                        ticket.prefilled(i)
                     metrics.ttft.labels(engine_label).observe(now - start)
                     first = False
                 else:
@@ -160,10 +189,15 @@ async def run_prompts(state: ServerState, prepared: list[PreparedPrompt], priori
                 metrics.e2e.labels(engine_label).observe(now - start)
             await on_output(i, out)
 
-    with unwrap_errors():
-        async with anyio.create_task_group() as tg:
-            for i, prompt in enumerate(prepared):
-                tg.start_soon(one, i, prompt)
+    expires_at = float("inf") if deadlines.expires_at is None else deadlines.expires_at
+    with anyio.move_on_after(expires_at - time.monotonic()) as scope:
+        with unwrap_errors():
+            async with anyio.create_task_group() as tg:
+                for i, prompt in enumerate(prepared):
+                    tg.start_soon(one, i, prompt)
+    if scope.cancelled_caught:  # every prompt's engine requests were aborted on the way out
+        raise RequestTimeoutError(f"the request took longer than request_timeout={deadlines.request_timeout} s "
+                                  "and was aborted", param="request_timeout")
 
 
 def disconnected(state: ServerState) -> Callable[[], None]:

@@ -60,6 +60,10 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.client_disconnected = Counter("aserve:http_requests_client_disconnected",
                                            "HTTP requests whose client went away before the answer", registry=r)
+        self.requests_refused = Counter("aserve:num_requests_refused", "Requests refused by admission control (429)",
+                                        ["reason"], registry=r)
+        self.request_timeouts = Counter("aserve:request_timeouts", "Requests aborted at a deadline (408)",
+                                        ["deadline"], registry=r)
 
     def observe_stats(self, engine: int, stats: dict[str, float]) -> None:
         label = str(engine)

@@ -1,8 +1,11 @@
 """OpenAI request bodies, parsed and checked, and the SamplingParams they ask for.
 
-Bodies are decoded with msgspec into typed structs (unknown fields are ignored, as the
-OpenAI API and vLLM do); a wrong type or value raises :class:`RequestError` naming the
-field, which the app turns into a 400 with OpenAI's error body. vLLM's extra sampling
+Bodies are decoded with msgspec into typed structs; a wrong type or value raises
+:class:`RequestError` naming the field, which the app turns into a 400 with OpenAI's
+error body. A top-level field aserve does not implement is refused the same way (a 400
+naming it), never silently ignored (vLLM ignores them with a log line); fields inside a
+message are not checked, since clients send back the assistant messages they received,
+with whatever fields those carried. vLLM's extra sampling
 fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``priority``, ...) are accepted in the body, and so are the output
 constraints (``response_format``, ``structured_outputs``, ``guided_*``:
@@ -57,9 +60,10 @@ class StructuredOutputsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=
 GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     n: int = 1
+    best_of: int | None = None  # vLLM's benchmark client sends 1; only n (or None) is accepted
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -79,6 +83,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string, as OpenAI sends) -> bias
     data_parallel_rank: int | None = None  # pin an engine (also the X-data-parallel-rank header)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
     # older top-level guided_* fields that clients still send.
@@ -138,6 +143,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         """The engine's SamplingParams (``max_tokens`` None: up to ``max_model_len``);
         InvalidSamplingParamsError names a bad field."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(f"best_of={self.best_of} is not supported: aserve returns every one of n samples "
+                               "(leave best_of out, or equal to n)", param="best_of")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -158,7 +166,18 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=constraint[1] if (constraint := self.output_constraint()) else None,
+            logit_bias=self.token_biases(),
         )
+
+    def token_biases(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids; a RequestError naming it for a key that
+        is not one."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise RequestError("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
     @property
     def include_usage(self) -> bool:
@@ -259,6 +278,9 @@ def decode_body(body: bytes, schema: type[msgspec.Struct]) -> Any:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
         message = str(exc)
+        if message.startswith("Object contains unknown field `") and " - at `" not in message:
+            field = message.split("`")[1]
+            raise RequestError(f"unknown field `{field}`: aserve does not implement it", param=field) from None
         param = message.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "`$." in message else None
         raise RequestError(message, param=param) from None
     except msgspec.DecodeError as exc:

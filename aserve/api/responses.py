@@ -14,7 +14,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from aserve.errors import AserveError, EngineDeadError, unwrap_errors
+from aserve.api.errors import error_event
+from aserve.errors import AserveError, unwrap_errors
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -69,10 +70,10 @@ class EventStreamResponse(_WatchedResponse):
                 with unwrap_errors():
                     await self._produce(write)
             except AserveError as exc:
-                # Headers are out: say it in the stream, as OpenAI does (the client raises).
-                code = 503 if isinstance(exc, EngineDeadError) else 400
-                await write(sse_event({"error": {"message": str(exc), "type": "service_unavailable" if code == 503
-                                                 else "invalid_request_error", "param": None, "code": code}}))
+                # Headers are out: say it in the stream, as OpenAI does (the client
+                # raises), then end it as every stream ends.
+                await write(sse_event(error_event(exc)))
+                await write(SSE_DONE)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             tg.cancel_scope.cancel()
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import anyio
 
+from aserve.api.admission import AdmissionCounters
 from aserve.api.app import ServerState, build_app
+from aserve.api.limits import ServerLimits
 from aserve.process.utils import exit_with_parent, ignore_termination, pin_to_cpus, set_process_title
 
 logger = logging.getLogger("aserve.api_server")
@@ -41,6 +43,11 @@ class ApiServerConfig:
     reasoning_parser: str | None = None
     api_key_probes: bool = False  # --api-key-probes: the key on /health, /ready, /metrics too
     allowed_origins: tuple[str, ...] = ()  # --allowed-origins: CORS (empty: off)
+    limits: ServerLimits = ServerLimits()  # admission, deadlines, request bounds (aserve.api.limits)
+    # The server-wide admission counts (aserve.api.admission): the segment and how many
+    # API servers have a slot in it; None without admission limits.
+    admission_segment: str | None = None
+    admission_slots: int = 1
     fitted: Any = None  # FittedConfig: the supervisor fitted it, once, for every process
     attach: Any = None  # EngineAttachment: the engine cores the supervisor started
 
@@ -91,10 +98,14 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
 
     engine = AsyncLLM.attached(cfg.fitted, cfg.attach)
     pin_to_cpus(engine.config.parallel.frontend_cpus(), all_threads=True)  # off the workers' cores
+    counters = None
+    if cfg.admission_segment is not None:
+        counters = AdmissionCounters(index=cfg.index, num_slots=cfg.admission_slots, name=cfg.admission_segment)
     state = ServerState(engine=engine, served_model_name=cfg.served_model_name, api_key=cfg.api_key,
                         api_key_probes=cfg.api_key_probes, allowed_origins=cfg.allowed_origins,
                         served_model_names=cfg.served_model_names, tool_call_parser=cfg.tool_call_parser,
-                        enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser)
+                        enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser,
+                        limits=cfg.limits, admission_counters=counters)
     app = _InFlight(build_app(state), cfg.index)
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]

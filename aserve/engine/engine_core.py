@@ -7,6 +7,7 @@ wraps it with its wires.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -87,18 +88,20 @@ class EngineCore:
         take new input before the next call schedules the second step.
         """
         executor = self.executor
+        # Requests that waited past their max_queue_time leave before the step is filled.
+        expired = self._count(self.scheduler.expire_queued(time.monotonic()))
         if len(self._inflight) < self.max_inflight:
             sched = self.scheduler.schedule()
             if not sched.is_empty or sched.freed_req_ids:
                 executor.submit_model(sched)  # type: ignore[attr-defined]
                 self._inflight.append(sched)
                 if len(self._inflight) < self.max_inflight:
-                    return []
+                    return expired
         if not self._inflight:
-            return []
+            return expired
         sched = self._inflight.popleft()
         runner_output = executor.wait_model()  # type: ignore[attr-defined]
-        return self._count(self.scheduler.update_from_output(sched, runner_output))
+        return expired + self._count(self.scheduler.update_from_output(sched, runner_output))
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()

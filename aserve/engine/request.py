@@ -48,7 +48,7 @@ class Request:
         "cache_salt", "client_index", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "block_hashes", "num_cached_tokens", "max_tokens", "finish_reason", "stop_reason",
         "num_preemptions", "num_prompt_logprobs_sent", "_salt_bytes", "received_time", "queue_time", "num_inflight",
-        "grammar", "grammar_after",
+        "grammar", "grammar_after", "queue_deadline",
     )
 
     def __init__(self, req: EngineCoreRequest, *, max_model_len: int) -> None:
@@ -80,6 +80,8 @@ class Request:
         self.num_prompt_logprobs_sent = 0
         self.received_time = time.monotonic()  # the engine's clock: queue time is measured there
         self.queue_time: float | None = None  # set when first scheduled; sent once
+        # The engine-clock time after which, never scheduled, it is expired (max_queue_time).
+        self.queue_deadline = None if req.max_queue_time is None else self.received_time + req.max_queue_time
         self._salt_bytes = (req.cache_salt or "").encode()
         self.grammar = req.grammar
         self.grammar_after = req.grammar_after

@@ -29,6 +29,7 @@ recomputed later (sampling depends only on the seed and the position).
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import time
 
@@ -36,7 +37,7 @@ import time
 from aserve.config import SchedulerConfig
 from aserve.engine.kv_cache_manager import KVCacheManager
 from aserve.engine.request import Request, RequestStatus
-from aserve.wire.messages import EngineCoreOutput, FinishReason
+from aserve.wire.messages import QUEUE_TIMEOUT, EngineCoreOutput, FinishReason
 from aserve.wire.worker_messages import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
 
@@ -53,6 +54,9 @@ class Scheduler:
         self._freed_since_last_step: list[str] = []
         self._known_to_runner: set[str] = set()
         self.num_preemptions = 0
+        # (deadline, arrival, request) of waiting requests with a max_queue_time: a heap,
+        # so a step finds the expired ones without looking at the others.
+        self._queue_deadlines: list[tuple[float, int, Request]] = []
 
     # -- queue management -------------------------------------------------------
 
@@ -71,6 +75,24 @@ class Scheduler:
         request.update_block_hashes(self.block_size)  # a no-op when already prepared
         self.requests[request.request_id] = request
         self._enqueue(request)
+        if request.queue_deadline is not None:
+            heapq.heappush(self._queue_deadlines, (request.queue_deadline, next(self._arrivals), request))
+
+    def expire_queued(self, now: float) -> list[EngineCoreOutput]:
+        """Finish (ABORT, stop reason ``QUEUE_TIMEOUT``) the requests still waiting for
+        their first step past their ``max_queue_time``; preempted requests, which have
+        had theirs, are not expired."""
+        outputs = []
+        heap = self._queue_deadlines
+        while heap and heap[0][0] <= now:
+            _, _, request = heapq.heappop(heap)
+            if request.status != RequestStatus.WAITING or request.num_cached_tokens >= 0:
+                continue  # scheduled meanwhile, or finished
+            self.waiting = [item for item in self.waiting if item[1] is not request]
+            self._finish(request, FinishReason.ABORT, QUEUE_TIMEOUT)
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT,
+                                            stop_reason=QUEUE_TIMEOUT))
+        return outputs
 
     def _enqueue(self, request: Request) -> None:
         key = (request.priority, request.arrival_time, next(self._arrivals))

@@ -39,7 +39,7 @@ import anyio
 
 from aserve.engine.args import EngineArgs
 from aserve.engine.fit import FittedConfig, fit_config
-from aserve.errors import InvalidInputError
+from aserve.errors import InvalidInputError, RequestTimeoutError
 from aserve.frontend.core_client import EngineAttachment, EngineCoreClient
 from aserve.frontend.input_processor import InputProcessor, PreparedPrompt, PromptType
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
@@ -47,7 +47,7 @@ from aserve.frontend.tokenizer import Tokenizer
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 from aserve.wire.codec import EngineReady
-from aserve.wire.messages import EngineCoreOutput
+from aserve.wire.messages import QUEUE_TIMEOUT, EngineCoreOutput
 
 
 class _Wakeup:
@@ -201,6 +201,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        max_queue_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative, delta or final-only per
         ``sampling_params.output_kind``) until it finishes.
@@ -209,6 +210,8 @@ class AsyncLLM:
         it is; ``sampling_params`` must then be None). With several engines, the load
         balancer picks one (``data_parallel_rank`` pins it); every ``n`` child of the
         request goes to the same engine, so they share the prompt's cached blocks.
+        ``max_queue_time``: seconds the request may wait for its first engine step;
+        past them it is aborted and ``RequestTimeoutError`` raised.
         Raises ``InvalidInputError`` for bad input (nothing is sent), ``EngineDeadError``
         if an engine dies. Cancellation or closing the iterator aborts the request.
         """
@@ -236,7 +239,8 @@ class AsyncLLM:
             for i in range(params.n):
                 core.add(self.input_processor.make_request(
                     child_request_id(request_id, i, params.n), ids, child_params(params, i), priority=priority,
-                    grammar=prepared.grammar, grammar_after=prepared.grammar_after), engine)
+                    grammar=prepared.grammar, grammar_after=prepared.grammar_after, max_queue_time=max_queue_time),
+                    engine)
             # A consumer that fell behind (a slow client, a busy API server) gets one
             # delta covering every step it missed rather than one per step, as vLLM's
             # output collector merges them.
@@ -247,6 +251,9 @@ class AsyncLLM:
                 output = state.make_output()
                 if output is None:
                     continue
+                if any(c.stop_reason == QUEUE_TIMEOUT and c.finish_reason == "abort" for c in output.outputs):
+                    raise RequestTimeoutError(f"the request waited more than max_queue_time={max_queue_time} s for "
+                                              "its first step and was aborted", param="max_queue_time")
                 finished = output.finished
                 yield output
                 if finished:

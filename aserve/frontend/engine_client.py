@@ -66,8 +66,10 @@ class EngineClient(Protocol):
         ``InvalidInputError`` (a 400 naming ``param``) and nothing is sent."""
 
     def generate(self, prompt: PreparedPrompt, sampling_params: None = None, request_id: str | None = None, *,
-                 priority: int = 0, data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream one prepared request's outputs; ``EngineDeadError`` if an engine dies."""
+                 priority: int = 0, data_parallel_rank: int | None = None,
+                 max_queue_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one prepared request's outputs; ``EngineDeadError`` if an engine dies,
+        ``RequestTimeoutError`` if it waited past ``max_queue_time`` for its first step."""
 
     def engine_for(self, request_id: str) -> int | None:
         """The DP rank serving a request in progress (a metrics label)."""

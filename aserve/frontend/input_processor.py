@@ -138,11 +138,14 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise InvalidSamplingParamsError(f"{name} must be <= {MAX_LOGPROBS}, got {value}", param=name)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidSamplingParamsError(f"logit_bias names token {max(params.logit_bias)}; the vocabulary has "
+                                             f"{self.vocab_size} tokens", param="logit_bias")
 
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-        grammar: str | None = None, grammar_after: tuple[int, ...] = (),
+        grammar: str | None = None, grammar_after: tuple[int, ...] = (), max_queue_time: float | None = None,
     ) -> EngineCoreRequest:
         return EngineCoreRequest(
             request_id=request_id,
@@ -154,4 +157,5 @@ class InputProcessor:
             priority=priority,
             grammar=grammar,
             grammar_after=list(grammar_after),
+            max_queue_time=max_queue_time,
         )

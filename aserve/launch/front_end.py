@@ -24,6 +24,7 @@ import anyio.to_thread
 import msgspec
 import zmq
 
+from aserve.api import admission
 from aserve.api.server import DEAD_ENGINE_GRACE, ApiServerConfig, run_api_server
 from aserve.engine.fit import FittedConfig
 from aserve.engine.spawn import create_heartbeats, spawn_coordinator, spawn_engine_cores
@@ -80,6 +81,10 @@ class FrontEnd:
         tp = fitted.config.parallel.tensor_parallel_size
         bound_port = sock.getsockname()[1]
         heartbeat_name = create_heartbeats(self.instance, tp, range(dp.size))  # removed by Instance.cleanup
+        if self.cfg.limits.admission.enabled:  # the API servers' shared counts, also removed by Instance.cleanup
+            segment = admission.segment_name(self.instance.id)
+            admission.create_segment(segment, self.api_count)
+            self.cfg = dataclasses.replace(self.cfg, admission_segment=segment, admission_slots=self.api_count)
         local_ranks = range(dp.local)
         spawn = mp.get_context("spawn")
         ctx = zmq.Context()

@@ -11,11 +11,13 @@ prints as one line; nothing has been started, so nothing is left behind.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import socket
 import ssl
 from pathlib import Path
 
+from aserve.api.limits import ServerLimits
 from aserve.api.server import ApiServerConfig
 from aserve.engine.args import EngineArgs, resolve_model_path
 from aserve.engine.fit import FittedConfig, fit_config
@@ -119,6 +121,12 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """``aserve run``'s admission, deadline and request-bound flags; ConfigError naming
+    the flag for a value out of range."""
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+
+
 def prepare_server(engine_args: EngineArgs, args: argparse.Namespace, *,
                    loop: str) -> tuple[ApiServerConfig, socket.socket, DataParallelLaunch]:
     """A front-end node's config, its bound socket and its DP launch, every check done."""
@@ -133,7 +141,7 @@ def prepare_server(engine_args: EngineArgs, args: argparse.Namespace, *,
         loop=loop, shutdown_timeout=args.shutdown_timeout, ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile, log_level=args.log_level, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
-        fitted=fitted,
+        limits=server_limits(args), fitted=fitted,
     )
     return cfg, bind_listening_socket(args.host, args.port), dp
 

@@ -45,6 +45,13 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # the token ids after which it starts to apply (the end of a reasoning section).
     grammar: str | None = None
     grammar_after: list[int] = []
+    # Seconds the request may wait, from its arrival in the engine core, before its first
+    # step; past that, if still waiting, it ends with ABORT and stop reason QUEUE_TIMEOUT.
+    max_queue_time: float | None = None
+
+
+#: The stop reason of a request that waited past its ``max_queue_time`` (finish reason ABORT).
+QUEUE_TIMEOUT = "max_queue_time"
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -1,7 +1,8 @@
 """Turns a step's logits into tokens, one row per request that samples this step.
 
 Order of operations (as in vLLM): raw logprobs are taken first (what ``logprobs``
-reports), then stop tokens are masked until ``min_tokens``, then the penalties, then a
+reports), then stop tokens are masked until ``min_tokens``, ``logit_bias`` is added, then
+the penalties, then a
 structured output's grammar masks what it does not allow (``aserve.worker.grammar``;
 where that leaves nothing, because ``min_tokens`` masked the end the grammar requires,
 the grammar wins), then greedy rows take the argmax while the others are divided by
@@ -61,7 +62,7 @@ class Sampler:
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         raw_data_ptr = logits.data_ptr() if raw_logprobs is not None else -1
-        if any(r.params.min_tokens or r.params.has_penalties for r in rows):
+        if any(r.params.min_tokens or r.params.has_penalties or r.params.logit_bias for r in rows):
             logits = logits.clone()
             self._apply_min_tokens_and_penalties(logits, rows)
         if allowed is not None:
@@ -121,6 +122,9 @@ class Sampler:
             outputs = row.token_ids[row.num_prompt_tokens :]
             if len(outputs) < p.min_tokens and row.stop_token_ids:
                 logits[i, [t for t in row.stop_token_ids if t < vocab]] = _MASK
+            if p.logit_bias:
+                ids = [t for t in p.logit_bias if t < vocab]
+                logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids])
             if not p.has_penalties:
                 continue
             if p.repetition_penalty != 1.0:

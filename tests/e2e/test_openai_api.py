@@ -126,7 +126,7 @@ def test_models_and_small_routes(client, server):
     assert chat["count"] == len(chat["tokens"]) > 2
     # Malformed bodies are 400s naming the field, never a 500 (the fuzzer's one finding).
     for bad, param in (({"messages": True}, "messages"), ({"messages": [{"content": 1}]}, "messages"),
-                       ({"prompt": 5}, "prompt"), ({"prompt": "x", "nonsense": 1}, None)):
+                       ({"prompt": 5}, "prompt"), ({"prompt": "x", "nonsense": 1}, "nonsense")):
         r = httpx.post(base + "/tokenize", json=bad, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
     assert httpx.get(base + "/version", headers=auth).json()["version"]

@@ -303,3 +303,43 @@ async def test_a_stopped_worker_is_dead_after_the_heartbeat_timeout(llama_dir):
             await llm.check_health()
     assert not any(alive(p) for p in [engine, *workers])
     assert leftovers(*instance) == []
+
+
+async def test_a_request_past_its_max_queue_time_is_aborted_in_the_engine(llama_dir):
+    from aserve.errors import RequestTimeoutError
+
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    async with AsyncLLM(str(llama_dir), max_num_seqs=1, kv_cache_memory=1 << 22) as llm:
+        running = anyio.Event()
+
+        async def hold() -> None:
+            async for _ in llm.generate(PROMPTS[0], long):
+                running.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold)
+            await running.wait()  # the one sequence is taken: the next request can only wait
+            with pytest.raises(RequestTimeoutError) as exc:
+                async for _ in llm.generate(PROMPTS[1], GREEDY, max_queue_time=0.3):
+                    pass
+            assert exc.value.param == "max_queue_time"
+            stats = await llm.get_stats()
+            assert (stats["num_waiting"], stats["num_running"]) == (0, 1)  # gone from the queue, not run
+            tg.cancel_scope.cancel()
+        # A request that is scheduled in time is not affected by its deadline.
+        final = None
+        async for final in llm.generate(PROMPTS[1], GREEDY, max_queue_time=30):
+            pass
+        assert final is not None and final.outputs[0].finish_reason == "length"
+
+
+def test_logit_bias_moves_greedy_choices(llama_dir):
+    with LLM(str(llama_dir), kv_cache_memory=1 << 22) as llm:
+        plain = llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids
+        target = next(t for t in range(5, 50) if t not in plain)
+        biased = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                           logit_bias={target: 100.0}))[0].outputs[0].token_ids
+        banned = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                           logit_bias={plain[0]: -100.0}))[0].outputs[0].token_ids
+    assert biased == [target] * 10
+    assert banned[0] != plain[0]

@@ -244,3 +244,22 @@ def test_async_scheduling_with_preemption_and_abort_in_flight():
     assert got["c"][1] == FinishReason.ABORT
     assert got["c"][0] == [_token_at("c", p) for p in range(5, 5 + len(got["c"][0]))]
     assert pipelined.kv.pool.num_free_blocks == 8 and not pipelined.requests
+
+
+def test_requests_waiting_past_max_queue_time_expire_and_scheduled_ones_do_not():
+    sched = make_scheduler(max_seqs=1)
+    reqs = {}
+    for rid in "abc":
+        reqs[rid] = Request(EngineCoreRequest(rid, [10, 11, 12], SamplingParams(max_tokens=50), eos_token_ids=[1],
+                                              max_queue_time=5.0), max_model_len=sched.max_model_len)
+        sched.add_request(reqs[rid])
+    run_step(sched)  # "a" runs; "b" and "c" wait (one sequence at a time)
+    start = reqs["a"].received_time
+    assert sched.expire_queued(start + 4.0) == []
+    expired = sched.expire_queued(start + 5.5)
+    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in expired] == [
+        ("b", FinishReason.ABORT, "max_queue_time"), ("c", FinishReason.ABORT, "max_queue_time")]
+    assert sched.num_waiting == 0 and set(sched.requests) == {"a"}  # the running one is left alone
+    assert sched.expire_queued(start + 100.0) == []
+    run_step(sched)
+    assert sched.requests["a"].num_output_tokens == 2

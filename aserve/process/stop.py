@@ -1,6 +1,7 @@
 """Stopping a set of child processes: the one way every owner of children does it.
 
-Asked (optionally) -> SIGTERM -> SIGKILL, with one deadline per stage for the whole set,
+Asked (optionally) -> SIGTERM (with SIGCONT, so a stopped process handles it) ->
+SIGKILL, with one deadline per stage for the whole set,
 so stopping N processes never takes N grace periods. Every process is reaped before the
 call returns, so none is left as a zombie or an orphan.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import multiprocessing as mp
+import os
+import signal
 import time
 from collections.abc import Sequence
 
@@ -30,6 +33,7 @@ def stop_processes(procs: Sequence[mp.process.BaseProcess], *, grace: float, ask
     for proc in procs:
         if proc.exitcode is None:
             proc.terminate()
+            _continue(proc)  # a stopped process (SIGSTOP, a debugger) acts on SIGTERM only once it runs
     _join_all(procs, grace)
     for proc in procs:
         if proc.exitcode is None:
@@ -44,6 +48,13 @@ async def stop_processes_async(procs: Sequence[mp.process.BaseProcess], *, grace
     shield it (``anyio.CancelScope(shield=True)``): stopping must finish even when they
     are being cancelled."""
     await anyio.to_thread.run_sync(functools.partial(stop_processes, procs, grace=grace, asked_first=asked_first))
+
+
+def _continue(proc: mp.process.BaseProcess) -> None:
+    try:
+        os.kill(proc.pid, signal.SIGCONT)
+    except (ProcessLookupError, TypeError):  # gone already, or never started
+        pass
 
 
 def _join_all(procs: Sequence[mp.process.BaseProcess], timeout: float) -> None:

@@ -6,7 +6,7 @@ share):
 =================================  ==========================================
 ``POST /v1/completions``           ``aserve.api.completions``
 ``POST /v1/chat/completions``      ``aserve.api.chat``
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /openapi.json``,
 ``GET /health``, ``GET /ready``, ``GET /metrics``  ``aserve.api.info``
 =================================  ==========================================
 
@@ -41,6 +41,7 @@ ROUTES = [
     ("/tokenize", info.tokenize, "POST"),
     ("/detokenize", info.detokenize, "POST"),
     ("/version", info.version, "GET"),
+    ("/openapi.json", info.openapi, "GET"),
     ("/health", info.health, "GET"),
     ("/ready", info.ready, "GET"),
     ("/metrics", info.metrics, "GET"),

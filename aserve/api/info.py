@@ -1,4 +1,5 @@
-"""The small routes: ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/version``, and the
+"""The small routes: ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/version``,
+``/openapi.json`` (``aserve.api.openapi``), and the
 probes ``/health`` (200 while every engine lives), ``/ready`` (200 once every engine is
 ready and the server is not draining) and ``/metrics`` (Prometheus)."""
 
@@ -11,7 +12,8 @@ from starlette.responses import JSONResponse, Response
 from aserve import __version__
 from aserve.api.errors import error_response
 from aserve.api.generation import ServerState, read_body
-from aserve.api.protocol import RequestError, TokenizeRequest, decode_body
+from aserve.api.openapi import openapi_document
+from aserve.api.protocol import DetokenizeRequest, RequestError, TokenizeRequest, decode_body
 from aserve.api.tools import template_messages
 from aserve.errors import EngineDeadError
 
@@ -37,12 +39,18 @@ async def tokenize(state: ServerState, request: Request) -> Response:
 
 
 async def detokenize(state: ServerState, request: Request) -> Response:
-    body = decode_body(await read_body(request, state.max_body_bytes), dict)
-    tokens = body.get("tokens")
+    body = decode_body(await read_body(request, state.max_body_bytes), DetokenizeRequest)
     vocab_size = state.engine.vocab_size
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens):
-        raise RequestError("tokens must be a list of token ids", param="tokens")
-    return JSONResponse({"prompt": state.engine.tokenizer.decode(tokens)})
+    if not all(0 <= t < vocab_size for t in body.tokens):
+        raise RequestError(f"tokens must be token ids in [0, {vocab_size})", param="tokens")
+    return JSONResponse({"prompt": state.engine.tokenizer.decode(body.tokens)})
+
+
+async def openapi(state: ServerState, request: Request) -> Response:
+    engine = state.engine
+    names = tuple(dict.fromkeys((state.served_model_name, *state.served_model_names)))
+    return JSONResponse(openapi_document(names, state.limits, engine.max_model_len, engine.vocab_size,
+                                         engine.num_engines))
 
 
 async def version(state: ServerState, request: Request) -> Response:

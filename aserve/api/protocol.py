@@ -256,6 +256,13 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     add_generation_prompt: bool = True
 
 
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``/detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None

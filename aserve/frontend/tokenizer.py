@@ -89,6 +89,11 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise InvalidInputError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # A template that assumes what the messages do not hold (a string content, a
+            # key): the messages are what the caller can change. Found by the fuzzer.
+            raise InvalidInputError(f"the chat template cannot render these messages ({type(exc).__name__}: {exc})",
+                                    param="messages") from exc
 
 
 def _raise_template_error(message: str) -> None:

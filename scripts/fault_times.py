@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -24,41 +22,14 @@ from pathlib import Path
 
 import httpx
 
-
-def tree(pid: int) -> list[int]:
-    try:
-        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-    return [k for c in kids for k in (c, *tree(c))]
-
-
-def title(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-    except FileNotFoundError:
-        return ""
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.e2e.server import Server  # noqa: E402
 
 
 def one_round(model: str, victim: str) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "aserve", "run", model, "--tp", "2", "--dp", "2", "--port", "0",
-           "--max-model-len", "2048", "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    base = ""
-    while not base:
-        line = proc.stdout.readline()
-        if not line:
-            raise SystemExit("aserve run exited")
-        if m := re.search(r"at (https?://\S+)/v1", line):
-            base = m.group(1)
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    while True:
-        try:
-            if httpx.get(base + "/ready", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    server = Server(Path(model), "--tp", "2", "--dp", "2", "--max-model-len", "2048", "--kv-cache-memory", "1GiB",
+                    "--log-level", "WARNING")
+    base = server.base_url
     ended: list[float] = []
     streaming = threading.Barrier(5)
 
@@ -83,7 +54,7 @@ def one_round(model: str, victim: str) -> dict[str, float]:
     for r in readers:
         r.start()
     streaming.wait()
-    pid = next(p for p in tree(proc.pid) if title(p) == victim)
+    pid = next(p for p, t in server.title_list() if t == victim)
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     while httpx.get(base + "/health", timeout=5).status_code == 200:
@@ -91,7 +62,8 @@ def one_round(model: str, victim: str) -> dict[str, float]:
     detected = time.monotonic() - stopped
     for r in readers:
         r.join(120)
-    proc.wait(120)
+    server.proc.wait(120)
+    server.stop()
     return {"health_503_s": detected, "streams_ended_s": max(ended) - stopped, "tree_exited_s": time.monotonic() - stopped}
 
 

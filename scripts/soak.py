@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shlex
 import statistics
 import subprocess
@@ -34,20 +33,14 @@ import anyio
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def tree(pid: int) -> list[int]:
-    try:
-        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-    return [k for c in kids for k in (c, *tree(c))]
+sys.path.insert(0, str(ROOT))
+from tests.e2e.server import Server, process_tree  # noqa: E402
 
 
 def sample(root: int) -> dict[str, dict[str, float]]:
     """Title (with the pid, for duplicates) -> RSS MiB and open fds, for the whole tree."""
     out = {}
-    for pid in [root, *tree(root)]:
+    for pid in [root, *process_tree(root)]:
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
             rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
@@ -128,31 +121,16 @@ def main() -> None:
     if not (model / "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_bench_model.py"), str(model), "--size", "7m"],
                        check=True, stdout=subprocess.DEVNULL)
-    cmd = [sys.executable, "-m", "aserve", "run", str(model), "--port", "0", "--log-level", "WARNING",
-           *shlex.split(args.server_args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    base = ""
-    while not base:
-        line = proc.stdout.readline()
-        if not line:
-            raise SystemExit("aserve run exited")
-        if m := re.search(r"at (https?://\S+)/v1", line):
-            base = m.group(1)
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    while True:
-        try:
-            if httpx.get(base + "/ready", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)  # a readiness probe
+    server = Server(model, "--kv-cache-memory", "1GiB", "--max-model-len", "2048", "--log-level", "WARNING",
+                    *shlex.split(args.server_args))
+    base = server.base_url
     samples: list[dict] = []
     done = threading.Event()
     start = time.monotonic()
 
     def sampler() -> None:
         while not done.is_set():
-            samples.append({"t": round(time.monotonic() - start, 2), "procs": sample(proc.pid)})
+            samples.append({"t": round(time.monotonic() - start, 2), "procs": sample(server.proc.pid)})
             done.wait(args.sample_every)
 
     tally: dict[str, int] = {}
@@ -171,8 +149,7 @@ def main() -> None:
     finally:
         done.set()
         thread.join()
-        proc.terminate()
-        proc.wait(120)
+        server.stop()
     duration = time.monotonic() - start
     quarter = max(1, len(samples) // 4)
     warm, last = samples[quarter: 2 * quarter], samples[-quarter:]

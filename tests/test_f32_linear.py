@@ -1,6 +1,7 @@
-"""The float32 linear kernel on AVX2 + FMA (aserve/kernels/f32_linear.py): against a
-float64 reference at every row-block remainder, with and without a bias, on strided
-inputs; independent of the thread count and of the other rows; and which layers get it."""
+"""The float32 linear kernel (aserve/kernels/f32_linear.py), in the form this CPU's build
+runs (AVX-512 or AVX2): against a float64 reference at every row-block remainder, with
+and without a bias, on strided inputs; independent of the thread count and of the other
+rows; the AVX-512 form giving the AVX2 form's bits; and which layers get it."""
 
 from __future__ import annotations
 
@@ -9,15 +10,28 @@ import torch
 
 from aserve import LLM
 from aserve.kernels import f32_linear
+from aserve.kernels.cbuild import cpu_flags
 
-needs_kernel = pytest.mark.skipif(not f32_linear.cpu_supported(),
-                                  reason="the float32 kernel is for AVX2 + FMA CPUs without AVX-512 (this one is not)")
+needs_kernel = pytest.mark.skipif(not f32_linear.cpu_supported(), reason="needs AVX2 and FMA (this CPU lacks them)")
+needs_avx512 = pytest.mark.skipif(not (cpu_flags() or frozenset()) >= {"avx512f", "avx2", "fma"},
+                                  reason="needs AVX-512F (this CPU lacks it)")
 
 
 def test_which_cpus_it_is_for():
     assert f32_linear.cpu_supported(frozenset({"avx2", "fma", "sse2"}))
-    assert not f32_linear.cpu_supported(frozenset({"avx2", "fma", "avx512f"}))
+    assert f32_linear.cpu_supported(frozenset({"avx2", "fma", "avx512f"}))
     assert not f32_linear.cpu_supported(frozenset({"avx", "sse2"}))
+
+
+@needs_avx512
+def test_the_avx512_form_gives_the_avx2_forms_bits(kernel):
+    narrow = f32_linear.load(extra_flags=("-mno-avx512f",))
+    assert (kernel.form, narrow.form) == (512, 256)
+    g = torch.Generator().manual_seed(7)
+    for n, k, rows in ((16, 1, 1), (40, 17, 9), (427, 256, 33), (700, 300, 17), (48, 64, 8)):
+        w, bias, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+        for b in (None, bias):
+            assert torch.equal(kernel.linear(x, kernel.pack(w), n, b), narrow.linear(x, narrow.pack(w), n, b))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from aserve.kernels import amx_linear, f32_linear, llama_decode
 needs_amx = pytest.mark.skipif(not amx_linear.cpu_has_amx(),
                                reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
 needs_f32 = pytest.mark.skipif(not f32_linear.cpu_supported(),
-                               reason="the float32 kernels are for AVX2 + FMA CPUs without AVX-512 (this one is not)")
+                               reason="needs AVX2 and FMA (this CPU lacks them)")
 DTYPES = [pytest.param("bfloat16", marks=needs_amx), pytest.param("float32", marks=needs_f32)]
 
 

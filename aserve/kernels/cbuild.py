@@ -51,10 +51,11 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
     return None if line is None else frozenset(line.split(":", 1)[1].split())
 
 
-def build(source_path: Path, cache_dir: Path, what: str) -> Path | None:
+def build(source_path: Path, cache_dir: Path, what: str, extra_flags: tuple[str, ...] = ()) -> Path | None:
     """The shared object built from ``source_path`` (built now unless cached), or None
     (logged, naming ``what`` falls back) without a compiler or when the build fails.
-    Raises OSError when the cache directory cannot be written."""
+    ``extra_flags`` follow ``FLAGS`` (a test builds an AVX2-only form with
+    ``-mno-avx512f``). Raises OSError when the cache directory cannot be written."""
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if compiler is None:
         logger.warning("no C compiler found: %s uses the slower plain-torch path", what)
@@ -63,7 +64,8 @@ def build(source_path: Path, cache_dir: Path, what: str) -> Path | None:
     # cpu_llama_decode.c compiles the others into its library.
     siblings = sorted(p for p in source_path.parent.iterdir() if p.suffix in (".c", ".h") and p != source_path)
     source = source_path.read_bytes() + b"".join(p.read_bytes() for p in siblings)
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_key().encode()).hexdigest()[:16]
+    flags = (*FLAGS, *extra_flags)
+    key = hashlib.sha256(source + " ".join(flags).encode() + cpu_key().encode()).hexdigest()[:16]
     target = cache_dir / f"{source_path.stem}_{key}.so"
     if target.is_file():
         return target
@@ -72,7 +74,7 @@ def build(source_path: Path, cache_dir: Path, what: str) -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("building the C kernel for %s failed (plain-torch path used):\n%s", what, result.stderr)
             return None
@@ -83,10 +85,11 @@ def build(source_path: Path, cache_dir: Path, what: str) -> Path | None:
     return target
 
 
-def load_library(source_path: Path, cache_dir: Path, what: str) -> ctypes.CDLL | None:
+def load_library(source_path: Path, cache_dir: Path, what: str,
+                 extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """:func:`build`, then load the library; None (logged) where that cannot be done."""
     try:
-        path = build(source_path, cache_dir, what)
+        path = build(source_path, cache_dir, what, extra_flags)
     except OSError as exc:
         logger.warning("could not build the C kernel for %s (plain-torch path used): %s", what, exc)
         return None

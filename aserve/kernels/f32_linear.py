@@ -1,17 +1,20 @@
-"""float32 linear layers on AVX2 + FMA over a packed weight, from ``cpu_f32_linear.c``.
+"""float32 linear layers over a packed weight, from ``cpu_f32_linear.c``, in an AVX-512
+form and an AVX2 + FMA form (the build has the widest the CPU runs).
 
-The form float32 weights take on an x86 CPU with AVX2 and no AVX-512 (small ones used
-MKL over a transposed copy, large ones oneDNN on a prepacked copy): the weight is packed once into
-panels of 16 output columns and kept only in that form (but for an LM head tied to the
-embedding). On the 7M model's weights, one Zen 3 core, it runs 1.2-1.6x MKL's rate at
-decode batch sizes and about even at prefill sizes; on the 152M model's, two cores,
-1.2-1.3x oneDNN's at every batch size measured (8, 32, 2,048 rows). The C file has the
-figures. The float32 one-call decode step (``cpu_llama_decode_f32.c``) calls the same
-kernel, so the two paths agree bit for bit.
+The form float32 weights take on an x86 CPU with AVX2 (before it: small ones used MKL
+over a transposed copy, large ones oneDNN on a prepacked copy): the weight is packed once
+into panels of 16 output columns and kept only in that form (but for an LM head tied to
+the embedding). The AVX2 form, on the 7M model's weights on one Zen 3 core, runs 1.2-1.6x
+MKL's rate at decode batch sizes and about even at prefill sizes; on the 152M model's, two
+cores, 1.2-1.3x oneDNN's at every batch size measured (8, 32, 2,048 rows). The AVX-512
+form, on an AMX Xeon's core, matches or beats MKL at decode sizes, where the AVX2 form ran
+at 0.6-0.75x of it (``docs/performance.md``). Both forms give the same bits. The float32
+one-call decode step (``cpu_llama_decode_f32.c``) calls the same kernel, so the two paths
+agree bit for bit.
 
-:func:`load` returns None where the kernel cannot be built, the CPU lacks AVX2 or FMA or
-has AVX-512 (see :func:`cpu_supported`), or ``ASERVE_CPU_F32_LINEAR=0``; the layers then
-keep oneDNN and MKL.
+:func:`load` returns None where the kernel cannot be built, the CPU lacks AVX2 or FMA
+(:func:`cpu_supported`), or ``ASERVE_CPU_F32_LINEAR=0``; the layers then keep oneDNN and
+MKL. :func:`form` says which form this CPU's build runs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class F32Linear:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.aserve_f32_linear_form.restype = ctypes.c_int
+        #: The vector width this build runs: 512 (AVX-512F) or 256 (AVX2 + FMA).
+        self.form = lib.aserve_f32_linear_form()
         self._numel = lib.aserve_f32_packed_numel
         self._numel.argtypes = [i64, i64]
         self._numel.restype = i64
@@ -74,19 +80,19 @@ class F32Linear:
 
 
 def cpu_supported(flags: frozenset[str] | None = None) -> bool:
-    """Whether this CPU (or ``flags``) is one the kernel is for: AVX2 and FMA, without
-    AVX-512F. It was measured against MKL and oneDNN only on an AVX2 CPU (Zen 3); with
-    AVX-512 they multiply 16 lanes at a time to its 8, so they keep those weights."""
+    """Whether this CPU (or ``flags``) runs the kernel: AVX2 and FMA (an AVX-512 CPU runs
+    its AVX-512 form)."""
     flags = cpu_flags() if flags is None else flags
-    return flags is not None and {"avx2", "fma"} <= flags and "avx512f" not in flags
+    return flags is not None and {"avx2", "fma"} <= flags
 
 
-def load() -> F32Linear | None:
-    """The kernel, or None where it is unavailable or switched off."""
+def load(extra_flags: tuple[str, ...] = ()) -> F32Linear | None:
+    """The kernel, or None where it is unavailable or switched off. ``extra_flags``: for
+    the compiler (tests build the AVX2 form on an AVX-512 CPU with ``-mno-avx512f``)."""
     env = read_env()
     if not env.cpu_f32_linear or not cpu_supported():
         return None
-    lib = load_library(_SOURCE, env.cache_dir / "kernels", "float32 linear layers")
+    lib = load_library(_SOURCE, env.cache_dir / "kernels", "float32 linear layers", extra_flags)
     if lib is None:
         return None
     lib.aserve_f32_linear_available.restype = ctypes.c_int

@@ -3,9 +3,9 @@
 and Qwen3 layers in one of two forms:
 
 - bf16 with every linear layer on AMX (``cpu_llama_decode.c``, :func:`load`);
-- float32 with every linear layer on the AVX2 kernel of
-  :mod:`aserve.kernels.f32_linear` (``cpu_llama_decode_f32.c``, :func:`load_float32`),
-  the form small float32 weights take on an x86 CPU without AMX.
+- float32 with every linear layer on the kernel of :mod:`aserve.kernels.f32_linear`
+  (its AVX-512 or AVX2 form; ``cpu_llama_decode_f32.c``, :func:`load_float32`), the
+  form float32 weights take on an x86 CPU with AVX2.
 
 On a small model the per-layer Python between the kernels (module calls, views, output
 tensors, ctypes conversions) cost about a third of a decode step; this calls the same

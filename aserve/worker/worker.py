@@ -56,8 +56,16 @@ class Worker:
             # Loaded into host memory, shard by shard; one copy to the GPU. Tied weights
             # stay tied (Module.to replaces each parameter's data in place).
             model.to(self.device)
-        prepack_linears(model, load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None,
-                        load_f32_linear() if self.dtype == torch.float32 and on_cpu else None)
+        f32 = load_f32_linear() if self.dtype == torch.float32 and on_cpu else None
+        amx = load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None
+        prepack_linears(model, amx, f32)
+        if on_cpu and tp.rank == 0:
+            # Each choice said once, at start-up (ASERVE_CPU_F32_LINEAR=0 and ASERVE_CPU_AMX=0 turn them off).
+            if self.dtype == torch.float32:
+                logger.info("float32 linear layers: %s", "oneDNN and MKL (the kernel is off or cannot run here)"
+                            if f32 is None else f"aserve's kernel, {'AVX-512' if f32.form == 512 else 'AVX2'} form")
+            elif self.dtype == torch.bfloat16:
+                logger.info("bf16 linear layers: %s", "AMX tiles" if amx is not None else "oneDNN (no AMX, or off)")
         if self.dtype in (torch.float32, torch.bfloat16) and on_cpu:
             fused = load_fused_ops()
             if fused is not None:

@@ -20,7 +20,9 @@ ratios aserve / vLLM. Configurations (``../shared/peers/README.md``):
   default CPU binding (the model on one core: each one's best on a tiny model);
   concurrency 32 (``--num-prompts``) and concurrency 1 (a quarter as many);
 - 152M Llama: aserve bfloat16 vs vLLM bfloat16 with both cores
-  (``VLLM_CPU_OMP_THREADS_BIND=0-1``, its best here); concurrency 32.
+  (``VLLM_CPU_OMP_THREADS_BIND=0-1``, its best here); concurrency 32;
+- named in ``--only`` (``EXTRA``): float32, the MoE and its dense twin, concurrency 1 and
+  128, 2,048-token prompts, and a shared 1,024-token prefix (docs/benchmarks.md).
 
 Every load gets a freshly started server. ``--only 7m-float32-c32 ...`` picks loads,
 ``--systems aserve`` measures one system. ``--aserve-args`` / ``--vllm-args`` add flags to
@@ -40,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -108,19 +111,54 @@ def session_alive(sid: int) -> bool:
     return False
 
 
-def load(args: argparse.Namespace, model: Path, concurrency: int, prompts: int, tag: str) -> dict:
+@dataclass(frozen=True)
+class Load:
+    """One load: the model, its dtype, the streams, and the prompt and output lengths; a
+    shared prefix of ``prefix_len`` tokens opens every prompt (prefix caching's case)."""
+
+    size: str
+    dtype: str
+    concurrency: int
+    input_len: int = 128
+    output_len: int = 128
+    prefix_len: int = 0
+
+    @property
+    def name(self) -> str:
+        """``7m-float32-c32``, ``152m-bfloat16-c4-in2048``, ``7m-float32-c32-prefix1024``..."""
+        name = f"{self.size}-{self.dtype}-c{self.concurrency}"
+        if self.input_len != 128:
+            name += f"-in{self.input_len}"
+        if self.output_len != 128:
+            name += f"-out{self.output_len}"
+        if self.prefix_len:
+            name += f"-prefix{self.prefix_len}"
+        return name
+
+    def num_prompts(self, at_32: int) -> int:
+        """``--num-prompts`` is the count at 32 streams; a quarter of it (at least 8) at a
+        few streams, more at more."""
+        if self.concurrency <= 4:
+            return max(8, at_32 // 4)
+        return at_32 * max(1, self.concurrency // 32)
+
+
+def load(args: argparse.Namespace, model: Path, spec: Load, prompts: int, tag: str) -> dict:
     out = ROOT / "results" / f"{tag}.json"
     common = ["--base-url", f"http://127.0.0.1:{PORT}", "--model", str(model), "--tokenizer", str(model),
-              "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "128",
-              "--random-range-ratio", "0", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+              "--random-input-len", str(spec.input_len), "--random-output-len", str(spec.output_len),
+              "--random-range-ratio", "0", "--num-prompts", str(prompts), "--max-concurrency", str(spec.concurrency),
               "--request-rate", "inf", "--ignore-eos", "--seed", "0"]
     if args.client == "vllm":
+        dataset = ["--dataset-name", "random"] + (["--random-prefix-len", str(spec.prefix_len)] if spec.prefix_len else [])
         cmd = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
-               "--endpoint", "/v1/completions", *common, "--temperature", "0", "--save-result",
+               "--endpoint", "/v1/completions", *dataset, *common, "--temperature", "0", "--save-result",
                "--result-filename", str(out)]
     else:
-        cmd = [sys.executable, "-m", "aserve", "bench", "serve", *common, "--no-progress", "--result-filename", str(out),
-               *shlex.split(args.client_args)]
+        dataset = (["--dataset-name", "prefix", "--prefix-len", str(spec.prefix_len)] if spec.prefix_len
+                   else ["--dataset-name", "random"])
+        cmd = [sys.executable, "-m", "aserve", "bench", "serve", *dataset, *common, "--no-progress",
+               "--result-filename", str(out), *shlex.split(args.client_args)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
     result = json.loads(out.read_text())
@@ -147,17 +185,26 @@ def serve_cmd(system: str, args: argparse.Namespace, model: Path, dtype: str, si
              str(PORT), "--dtype", dtype, *shlex.split(args.vllm_args)], env)
 
 
-#: (model, dtype, concurrency); prompts: --num-prompts at concurrency 32, a quarter of it at 1.
+#: The default plan; prompts: --num-prompts at concurrency 32, scaled with the streams.
 PLAN = (
-    ("7m", "float32", 32), ("7m", "float32", 1),
-    ("7m", "bfloat16", 32), ("7m", "bfloat16", 1),
-    ("152m", "bfloat16", 32),
+    Load("7m", "float32", 32), Load("7m", "float32", 1),
+    Load("7m", "bfloat16", 32), Load("7m", "bfloat16", 1),
+    Load("152m", "bfloat16", 32),
 )
-#: Run only when named in --only: on a CPU without native bf16 products (no avx512_bf16
+#: Run only when named in --only. On a CPU without native bf16 products (no avx512_bf16
 #: or AMX, as on an AVX2 AMD EPYC) float32 is both systems' better 152M configuration.
-#: The MoE (8 experts, top 2, 151M parameters) and the dense model of its active size.
-EXTRA = (("152m", "float32", 32), ("moe-150m", "float32", 32), ("dense-52m", "float32", 32),
-         ("moe-150m", "bfloat16", 32), ("dense-52m", "bfloat16", 32))
+#: The MoE (8 experts, top 2, 151M parameters) and the dense model of its active size;
+#: concurrency 128; long prompts (prefill speed and TTFT); a shared 1,024-token prefix.
+EXTRA = (
+    Load("152m", "float32", 32), Load("moe-150m", "float32", 32), Load("dense-52m", "float32", 32),
+    Load("moe-150m", "bfloat16", 32), Load("dense-52m", "bfloat16", 32),
+    Load("7m", "float32", 128), Load("152m", "bfloat16", 1), Load("152m", "bfloat16", 128),
+    Load("152m", "float32", 1), Load("152m", "float32", 128),
+    Load("7m", "float32", 4, input_len=2048), Load("152m", "bfloat16", 4, input_len=2048),
+    Load("152m", "float32", 4, input_len=2048),
+    Load("7m", "float32", 32, prefix_len=1024), Load("152m", "bfloat16", 32, prefix_len=1024),
+    Load("152m", "float32", 32, prefix_len=1024),
+)
 
 
 def main() -> None:
@@ -180,25 +227,26 @@ def main() -> None:
         print(f"no vLLM at {args.vllm_venv}: measuring aserve only", file=sys.stderr)
     models = {"7m": ROOT / "bench-models" / "llama-7m", "152m": ROOT / "bench-models" / "llama-152m",
               "moe-150m": ROOT / "bench-models" / "moe-150m", "dense-52m": ROOT / "bench-models" / "dense-52m"}
-    plan = [p for p in PLAN + EXTRA
-            if (args.only is None and p in PLAN) or (args.only is not None and f"{p[0]}-{p[1]}-c{p[2]}" in args.only)]
-    for size in dict.fromkeys(p[0] for p in plan):
+    plan = [p for p in PLAN + EXTRA if (args.only is None and p in PLAN) or (args.only is not None and p.name in args.only)]
+    if args.only is not None and len(plan) < len(args.only):
+        known = ", ".join(p.name for p in PLAN + EXTRA)
+        raise SystemExit(f"unknown load in --only {' '.join(args.only)}; the loads are: {known}")
+    for size in dict.fromkeys(p.size for p in plan):
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_bench_model.py"), str(models[size]), "--size",
                         size], check=True, stdout=subprocess.DEVNULL)
     rows: dict = {}
-    for size, dtype, concurrency in plan:
-        prompts = args.num_prompts if concurrency > 1 else max(8, args.num_prompts // 4)
-        key = f"{size} {dtype} c={concurrency}"
+    for spec in plan:
+        size, dtype, key = spec.size, spec.dtype, spec.name
+        prompts = spec.num_prompts(args.num_prompts)
         for system in systems:
             # A fresh server for every load: after a concurrency-32 run, vLLM sent the
             # streams of a following concurrency-1 run in bursts.
             cmd, env = serve_cmd(system, args, models[size], dtype, size)
             # aserve answers HTTP while loading (/ready 503); vLLM listens once loaded (/health).
-            server = Running(f"{system}-{size}-{dtype}-c{concurrency}", cmd, env,
-                             "/ready" if system == "aserve" else "/health")
+            server = Running(f"{system}-{key}", cmd, env, "/ready" if system == "aserve" else "/health")
             try:
                 print(f"{system}: {key} ...", file=sys.stderr, flush=True)
-                result = load(args, models[size], concurrency, prompts, f"{system}-{size}-{dtype}-c{concurrency}")
+                result = load(args, models[size], spec, prompts, f"{system}-{key}")
                 result["pss_mib"] = pss_mib(process_tree(server.proc.pid))
                 result["ready_s"] = server.ready_s
                 result["server_cmd"] = cmd
@@ -206,14 +254,14 @@ def main() -> None:
             finally:
                 server.stop()
     Path(args.out).write_text(json.dumps(rows, indent=2))
-    print(f"\n{'load':<22}{'system':<8}{'out tok/s':>10}{'TTFT p50':>10}{'ITL p50':>9}{'PSS MiB':>9}{'ready s':>8}")
+    print(f"\n{'load':<30}{'system':<8}{'out tok/s':>10}{'TTFT p50':>10}{'ITL p50':>9}{'PSS MiB':>9}{'ready s':>8}")
     for key, by_system in rows.items():
         for system, r in by_system.items():
-            print(f"{key:<22}{system:<8}{r['output_throughput']:>10.1f}{r['median_ttft_ms']:>10.1f}"
+            print(f"{key:<30}{system:<8}{r['output_throughput']:>10.1f}{r['median_ttft_ms']:>10.1f}"
                   f"{r['median_itl_ms']:>9.2f}{r['pss_mib']:>9.0f}{r['ready_s']:>8.1f}")
         if "vllm" in by_system and "aserve" in by_system:
             a, v = by_system["aserve"], by_system["vllm"]
-            print(f"{'':<22}{'ratio':<8}{a['output_throughput'] / v['output_throughput']:>10.2f}"
+            print(f"{'':<30}{'ratio':<8}{a['output_throughput'] / v['output_throughput']:>10.2f}"
                   f"{a['median_ttft_ms'] / v['median_ttft_ms']:>10.2f}{a['median_itl_ms'] / v['median_itl_ms']:>9.2f}"
                   f"{a['pss_mib'] / v['pss_mib']:>9.2f}")
 

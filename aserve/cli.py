@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--loop", choices=("auto", "asyncio", "uvloop", "trio"), default="auto",
                         help="event loop (default auto: uvloop when installed, else asyncio)")
     server.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    server.add_argument("--enable-dev-endpoints", action="store_true",
+                        help="serve POST /sleep, /wake_up, /start_profile, /stop_profile and GET /is_sleeping "
+                             "(for development: anyone who may call the API may call them)")
+    server.add_argument("--profiler-dir", default=None,
+                        help="where /stop_profile writes each worker's torch.profiler trace")
     _add_limit_arguments(run)
     nodes = run.add_argument_group("data parallelism across nodes (docs/data-parallel.md)")
     nodes.add_argument("--dp-size-local", "--data-parallel-size-local", dest="dp_size_local", type=int, default=None,

@@ -17,6 +17,7 @@
     │   ├── ModelFileNotFoundError (also FileNotFoundError)
     │   └── CorruptModelFileError
     ├── EngineDeadError: an engine process died; nothing more will be served
+    ├── EngineSleepingError: the engine sleeps (``sleep()``); ``wake_up()`` first
     └── HandshakeRefusedError: a headless node was refused by the front end
 
 An ``InvalidInputError`` never leaves the engine in a bad state: the object that raised
@@ -114,6 +115,11 @@ class RequestTimeoutError(AserveError):
 
 class EngineDeadError(AserveError):
     """An engine process died or stopped answering; every request in flight fails."""
+
+
+class EngineSleepingError(AserveError):
+    """A request reached an engine that sleeps (``sleep()``); it was refused, not queued
+    (HTTP 503). ``wake_up()`` makes the engine serve again."""
 
 
 class HandshakeRefusedError(AserveError):

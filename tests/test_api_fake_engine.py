@@ -73,6 +73,21 @@ class FakeEngine:
     async def get_stats(self, engine: int = 0) -> dict[str, float]:
         return {}
 
+    async def sleep(self, level: int = 1) -> None:
+        self.asleep = level
+
+    async def wake_up(self) -> None:
+        self.asleep = 0
+
+    async def is_sleeping(self) -> bool:
+        return bool(getattr(self, "asleep", 0))
+
+    async def start_profile(self, directory: str) -> None:
+        pass
+
+    async def stop_profile(self) -> None:
+        pass
+
 
 def test_the_fake_is_an_engine_client(llama_dir):
     engine: EngineClient = FakeEngine(llama_dir)  # a type checker holds it to the protocol

@@ -30,7 +30,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from aserve.api import chat, completions, info
+from aserve.api import chat, completions, dev, info
 from aserve.api.errors import EXCEPTION_HANDLERS, error_response
 from aserve.api.generation import ServerState
 
@@ -53,7 +53,8 @@ PROBES = frozenset({"/health", "/ready", "/metrics"})
 
 
 def build_app(state: ServerState) -> Starlette:
-    routes = [Route(path, functools.partial(handler, state), methods=[method]) for path, handler, method in ROUTES]
+    table = ROUTES + (dev.ROUTES if state.enable_dev_endpoints else [])  # sleep, profile: aserve.api.dev
+    routes = [Route(path, functools.partial(handler, state), methods=[method]) for path, handler, method in table]
     middleware = []
     if state.allowed_origins:
         from starlette.middleware import Middleware

@@ -12,7 +12,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from aserve.errors import AserveError, EngineDeadError, InvalidInputError, RequestRefusedError, RequestTimeoutError
+from aserve.errors import (
+    AserveError,
+    EngineDeadError,
+    EngineSleepingError,
+    InvalidInputError,
+    RequestRefusedError,
+    RequestTimeoutError,
+)
 
 logger = logging.getLogger("aserve.api")
 
@@ -41,6 +48,8 @@ def described(exc: AserveError) -> tuple[int, str, str | None]:
         return 408, str(exc), exc.param
     if isinstance(exc, EngineDeadError):
         return 503, f"the engine is dead: {exc}", None
+    if isinstance(exc, EngineSleepingError):
+        return 503, str(exc), None
     return 500, "internal server error", None
 
 
@@ -62,6 +71,10 @@ async def on_engine_dead(request: Request, exc: EngineDeadError) -> Response:
     return error_response(503, f"the engine is dead: {exc}")
 
 
+async def on_sleeping(request: Request, exc: EngineSleepingError) -> Response:
+    return error_response(503, str(exc))
+
+
 async def on_refused(request: Request, exc: RequestRefusedError) -> Response:
     return error_response(429, str(exc), param=exc.reason, headers={"Retry-After": str(exc.retry_after)})
 
@@ -77,5 +90,5 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
 
 
 EXCEPTION_HANDLERS = {HTTPException: on_http_exception, InvalidInputError: on_invalid_input,
-                      EngineDeadError: on_engine_dead, RequestRefusedError: on_refused,
+                      EngineDeadError: on_engine_dead, EngineSleepingError: on_sleeping, RequestRefusedError: on_refused,
                       RequestTimeoutError: on_timeout, Exception: on_unexpected}

@@ -50,6 +50,8 @@ class ServerState:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice (with a parser)
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content apart
     limits: ServerLimits = field(default_factory=ServerLimits)  # admission, deadlines, bounds
+    enable_dev_endpoints: bool = False  # --enable-dev-endpoints: /sleep, /wake_up, /start_profile (aserve.api.dev)
+    profiler_dir: str | None = None  # --profiler-dir: where /stop_profile writes the traces
     # This API server's slot of the server-wide admission counts (None: private counts,
     # as one API server, or a test, has).
     admission_counters: AdmissionCounters | None = None

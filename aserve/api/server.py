@@ -44,6 +44,8 @@ class ApiServerConfig:
     api_key_probes: bool = False  # --api-key-probes: the key on /health, /ready, /metrics too
     allowed_origins: tuple[str, ...] = ()  # --allowed-origins: CORS (empty: off)
     limits: ServerLimits = ServerLimits()  # admission, deadlines, request bounds (aserve.api.limits)
+    enable_dev_endpoints: bool = False  # --enable-dev-endpoints (aserve.api.dev)
+    profiler_dir: str | None = None  # --profiler-dir
     # The server-wide admission counts (aserve.api.admission): the segment and how many
     # API servers have a slot in it; None without admission limits.
     admission_segment: str | None = None
@@ -105,7 +107,8 @@ async def serve(cfg: ApiServerConfig, sock: socket.socket) -> None:
                         api_key_probes=cfg.api_key_probes, allowed_origins=cfg.allowed_origins,
                         served_model_names=cfg.served_model_names, tool_call_parser=cfg.tool_call_parser,
                         enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser,
-                        limits=cfg.limits, admission_counters=counters)
+                        limits=cfg.limits, admission_counters=counters,
+                        enable_dev_endpoints=cfg.enable_dev_endpoints, profiler_dir=cfg.profiler_dir)
     app = _InFlight(build_app(state), cfg.index)
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]

@@ -64,6 +64,7 @@ from aserve.wire.codec import (
     WireError,
 )
 from aserve.wire.messages import (
+    SLEEPING,
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
@@ -80,7 +81,8 @@ READY_FRAME = b"READY"
 COORDINATOR = -1
 
 #: Engine-core methods a UTILITY call may name. Nothing else is callable from the wire.
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "ping"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "ping", "sleep", "wake_up", "is_sleeping",
+                             "start_profile", "stop_profile"})
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,11 @@ class _BusyLoop:
         if kind == "add":
             _, request, client = item
             self._client_of[request.request_id] = client
-            self.core.add_prepared(request)
+            if self.core.sleeping:  # refused, not queued: the caller says why (EngineSleepingError)
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                                                stop_reason=SLEEPING))
+            else:
+                self.core.add_prepared(request)
         elif kind == "abort":
             outputs.extend(self.core.abort_requests(item[1]))
         elif kind == "utility":

@@ -16,6 +16,7 @@ from aserve.engine.fit import FittedConfig
 from aserve.engine.kv_cache_manager import KVCacheManager
 from aserve.engine.request import Request, check_fits
 from aserve.engine.scheduler import Scheduler
+from aserve.errors import AserveError, InvalidInputError
 from aserve.wire.messages import EngineCoreOutput, EngineCoreRequest
 
 
@@ -44,6 +45,7 @@ class EngineCore:
         self.num_requests_finished = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.sleeping = 0  # the level of the sleep the workers are in; 0: awake
 
     def prepare_request(self, request: EngineCoreRequest) -> Request:
         """Validate and build the scheduler's request (its prompt block hashes too).
@@ -105,6 +107,42 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
+
+    # -- sleep and profile (UTILITY calls; docs/engine.md, "Sleep and profile") ------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the KV pool's memory back (level 1) and the weights' too (level 2, reloaded
+        on waking). Only with no request in flight (``AserveError`` otherwise); requests
+        that arrive while asleep are refused (``EngineSleepingError`` at the caller)."""
+        if level not in (1, 2):
+            raise InvalidInputError(f"sleep level must be 1 or 2, got {level}", param="level")
+        if self.scheduler.has_unfinished_requests():
+            raise AserveError("cannot sleep with requests in flight: let them finish, or abort them, first")
+        if self.sleeping >= level:
+            return
+        while self._inflight:  # a last step that only told the workers which requests ended
+            sched = self._inflight.popleft()
+            self._count(self.scheduler.update_from_output(sched, self.executor.wait_model()))  # type: ignore[attr-defined]
+        self.scheduler.reset_prefix_cache()  # the pool's contents are gone
+        self.executor.collective_rpc("sleep", level)  # type: ignore[attr-defined]
+        self.sleeping = level
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.executor.collective_rpc("wake_up")  # type: ignore[attr-defined]
+            self.sleeping = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping)
+
+    def start_profile(self, directory: str) -> None:
+        """Every worker records a ``torch.profiler`` trace until :meth:`stop_profile`."""
+        self.executor.collective_rpc("start_profile", directory)  # type: ignore[attr-defined]
+
+    def stop_profile(self) -> str | None:
+        """Write the traces (one file per worker, in the directory given); returns rank
+        0's file."""
+        return self.executor.collective_rpc("stop_profile")  # type: ignore[attr-defined]
 
     def ping(self) -> str:
         return "pong"

@@ -31,5 +31,13 @@ class InProcessExecutor:
         assert sched is not None, "no step submitted"
         return self.worker.execute_model(sched)
 
+    def collective_rpc(self, method: str, arg: int | str | None = None, *, timeout: float = 0.0) -> str | None:
+        """A worker utility (sleep, wake_up, start_profile, stop_profile), called here."""
+        worker = self.worker
+        methods = {"sleep": worker.sleep, "wake_up": worker.wake_up, "start_profile": worker.start_profile,
+                   "stop_profile": worker.stop_profile}
+        result = methods[method](*(() if arg is None else (arg,)))
+        return None if result is None else str(result)
+
     def shutdown(self) -> None:
         pass

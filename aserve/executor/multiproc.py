@@ -26,12 +26,14 @@ from aserve.process.heartbeat import HeartbeatMonitor, HeartbeatTable, worker_sl
 from aserve.process.instance import Instance
 from aserve.process.stop import stop_processes
 from aserve.process.utils import skip_resource_tracker
-from aserve.wire.worker_messages import REPLY_DECODER, RunnerOutput, SchedulerOutput, WorkerCall
+from aserve.wire.worker_messages import REPLY_DECODER, RunnerOutput, SchedulerOutput, WorkerCall, WorkerMethod, WorkerReply
 from aserve.worker.worker_process import WorkerProcConfig, run_worker
 
 logger = logging.getLogger("aserve.executor")
 
 _POLL = 1.0
+#: Seconds a utility call (sleep, wake_up with a reload of the weights, a profile) may take.
+UTILITY_TIMEOUT = 600.0
 
 
 class MultiprocExecutor:
@@ -120,18 +122,33 @@ class MultiprocExecutor:
                 raise EngineDeadError(f"{stale[0]} stopped responding (no heartbeat for {self._monitor.timeout:.0f} s)")
 
     def _read_reply(self, rank: int, deadline: float) -> RunnerOutput | None:
+        reply = self._read(rank, deadline)
+        if not reply.ok:
+            raise EngineDeadError(f"worker tp{rank} failed: {reply.error}")
+        return reply.output
+
+    def _read(self, rank: int, deadline: float) -> WorkerReply:
         ring = self._responses[rank]
         while True:
             try:
-                reply = REPLY_DECODER.decode(ring.read(timeout=min(_POLL, max(0.0, deadline - time.monotonic()))))
-                break
+                return REPLY_DECODER.decode(ring.read(timeout=min(_POLL, max(0.0, deadline - time.monotonic()))))
             except TimeoutError:
                 self._check_workers()
                 if time.monotonic() >= deadline:
                     raise EngineDeadError(f"worker tp{rank} gave no answer in time") from None
+
+    def collective_rpc(self, method: WorkerMethod, arg: int | str | None = None, *,
+                       timeout: float = UTILITY_TIMEOUT) -> str | None:
+        """Run a worker utility (sleep, wake_up, start_profile, stop_profile) on every
+        rank, in step order (the engine core calls it with no step in flight); rank 0's
+        result, or RuntimeError with its error (the workers go on). ``EngineDeadError``
+        past ``timeout`` or if a worker dies meanwhile."""
+        deadline = time.monotonic() + timeout
+        self._write(WorkerCall(method, output_rank=0, arg=arg), deadline)
+        reply = self._read(0, deadline)
         if not reply.ok:
-            raise EngineDeadError(f"worker tp{rank} failed: {reply.error}")
-        return reply.output
+            raise RuntimeError(reply.error)
+        return reply.result
 
     def submit_model(self, sched: SchedulerOutput) -> None:
         self._write(WorkerCall("execute_model", sched, output_rank=0),

@@ -39,7 +39,7 @@ import anyio
 
 from aserve.engine.args import EngineArgs
 from aserve.engine.fit import FittedConfig, fit_config
-from aserve.errors import InvalidInputError, RequestTimeoutError
+from aserve.errors import EngineSleepingError, InvalidInputError, RequestTimeoutError
 from aserve.frontend.core_client import EngineAttachment, EngineCoreClient
 from aserve.frontend.input_processor import InputProcessor, PreparedPrompt, PromptType
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
@@ -47,7 +47,7 @@ from aserve.frontend.tokenizer import Tokenizer
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 from aserve.wire.codec import EngineReady
-from aserve.wire.messages import QUEUE_TIMEOUT, EngineCoreOutput
+from aserve.wire.messages import QUEUE_TIMEOUT, SLEEPING, EngineCoreOutput
 
 
 class _Wakeup:
@@ -251,6 +251,8 @@ class AsyncLLM:
                 output = state.make_output()
                 if output is None:
                     continue
+                if any(c.stop_reason == SLEEPING and c.finish_reason == "error" for c in output.outputs):
+                    raise EngineSleepingError("the engine is asleep: wake it up (wake_up(), POST /wake_up) first")
                 if any(c.stop_reason == QUEUE_TIMEOUT and c.finish_reason == "abort" for c in output.outputs):
                     raise RequestTimeoutError(f"the request waited more than max_queue_time={max_queue_time} s for "
                                               "its first step and was aborted", param="max_queue_time")
@@ -289,6 +291,32 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> None:
         for engine in range(self.num_engines):
             await self.engine_core.call_utility("reset_prefix_cache", engine=engine)
+
+    # -- sleep and profile (docs/engine.md, "Sleep and profile") ------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        """Every engine gives its KV pool's memory back (level 1), and its weights' too
+        (level 2: reloaded on waking). Only with no request in flight (``AserveError``
+        otherwise); a request sent while asleep raises ``EngineSleepingError``."""
+        for engine in range(self.num_engines):
+            await self.engine_core.call_utility("sleep", level, engine=engine)
+
+    async def wake_up(self) -> None:
+        for engine in range(self.num_engines):
+            await self.engine_core.call_utility("wake_up", engine=engine)
+
+    async def is_sleeping(self) -> bool:
+        return any([await self.engine_core.call_utility("is_sleeping", engine=e) for e in range(self.num_engines)])
+
+    async def start_profile(self, directory: str) -> None:
+        """Every worker of every engine records a ``torch.profiler`` trace until
+        :meth:`stop_profile`, which writes one file per worker into ``directory``."""
+        for engine in range(self.num_engines):
+            await self.engine_core.call_utility("start_profile", str(directory), engine=engine)
+
+    async def stop_profile(self) -> None:
+        for engine in range(self.num_engines):
+            await self.engine_core.call_utility("stop_profile", engine=engine)
 
     async def get_stats(self, engine: int = 0) -> dict[str, float]:
         """Engine ``engine``'s counts: running, waiting, KV usage, free blocks, and its

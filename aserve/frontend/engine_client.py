@@ -76,3 +76,15 @@ class EngineClient(Protocol):
 
     async def get_stats(self, engine: int = 0) -> dict[str, float]:
         """One engine's counts for ``/metrics``; ``EngineDeadError``."""
+
+    async def sleep(self, level: int = 1) -> None:
+        """Every engine drops its KV pool (level 2: its weights too); RuntimeError with
+        requests in flight."""
+
+    async def wake_up(self) -> None: ...
+
+    async def is_sleeping(self) -> bool: ...
+
+    async def start_profile(self, directory: str) -> None: ...
+
+    async def stop_profile(self) -> None: ...

@@ -31,7 +31,7 @@ from aserve.engine.args import EngineArgs
 from aserve.engine.engine_core import EngineCore
 from aserve.engine.fit import fit_config
 from aserve.engine.spawn import create_heartbeats
-from aserve.errors import ConfigError, InvalidInputError
+from aserve.errors import ConfigError, EngineSleepingError, InvalidInputError
 from aserve.executor.multiproc import MultiprocExecutor
 from aserve.frontend.input_processor import InputProcessor, PromptType
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
@@ -133,6 +133,27 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    # -- sleep and profile (docs/engine.md, "Sleep and profile") ------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the KV pool's memory back (level 1), and the weights' too (level 2,
+        reloaded by :meth:`wake_up`); ``generate`` raises ``EngineSleepingError`` until then."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def start_profile(self, directory: str) -> None:
+        """Record a ``torch.profiler`` trace of every worker until :meth:`stop_profile`,
+        which writes one file per worker into ``directory``."""
+        self.engine.start_profile(str(directory))
+
+    def stop_profile(self) -> None:
+        self.engine.stop_profile()
+
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
@@ -146,6 +167,8 @@ class LLM:
         raise InvalidInputError(f"prompts must be a string, token ids or a list of those, not {type(prompts).__name__}")
 
     def _run(self, prepared: list[Any]) -> list[RequestOutput]:
+        if self.engine.sleeping:
+            raise EngineSleepingError("the engine is asleep: call wake_up() first")
         processor = OutputProcessor()
         order: list[str] = []
         engine_ids: list[str] = []

@@ -141,7 +141,8 @@ def prepare_server(engine_args: EngineArgs, args: argparse.Namespace, *,
         loop=loop, shutdown_timeout=args.shutdown_timeout, ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile, log_level=args.log_level, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
-        limits=server_limits(args), fitted=fitted,
+        limits=server_limits(args), enable_dev_endpoints=args.enable_dev_endpoints,
+        profiler_dir=None if args.profiler_dir is None else str(Path(args.profiler_dir).resolve()), fitted=fitted,
     )
     return cfg, bind_listening_socket(args.host, args.port), dp
 

@@ -52,6 +52,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 #: The stop reason of a request that waited past its ``max_queue_time`` (finish reason ABORT).
 QUEUE_TIMEOUT = "max_queue_time"
+#: The stop reason of a request refused because the engine is asleep (finish reason ERROR).
+SLEEPING = "sleeping"
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -63,19 +63,21 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     prompt_logprobs: dict[str, list[TokenLogprobs]]
 
 
-WorkerMethod = Literal["execute_model", "shutdown"]
+WorkerMethod = Literal["execute_model", "shutdown", "sleep", "wake_up", "start_profile", "stop_profile"]
 
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     method: WorkerMethod
     sched: SchedulerOutput | None = None
     output_rank: int = 0  # the one rank that replies
+    arg: int | str | None = None  # sleep's level, start_profile's directory
 
 
 class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ok: bool
     output: RunnerOutput | None = None
     error: str | None = None
+    result: str | None = None  # what a call other than execute_model returned (stop_profile's path)
 
 
 CALL_DECODER = msgspec.msgpack.Decoder(WorkerCall)

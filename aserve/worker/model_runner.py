@@ -77,6 +77,8 @@ class ModelRunner:
         self.prefill_kernel: PrefillAttention | None = None
         self.use_decode_staging = use_decode_staging and self.on_cpu
         self.staging: DecodeStaging | None = None
+        self._kv_mapping: mmap.mmap | None = None  # the CPU pool's memory
+        self._released_kv: tuple[tuple[int, ...], torch.dtype] | None = None  # a GPU pool freed by a sleep
 
     def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                       model_dtype: torch.dtype | None = None) -> None:
@@ -113,6 +115,29 @@ class ModelRunner:
             # Dense copies in the model's dtype, of the values the cache holds.
             self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                          dtype=model_dtype)
+
+    def release_kv_cache(self) -> None:
+        """Give the KV pool's memory back (a sleep): on CPU its pages go back to the
+        kernel (``MADV_DONTNEED``; the mapping stays, and reads as zeros until written);
+        on a GPU the tensor is freed. The pool's contents are gone either way."""
+        self._gather_buffers = None
+        if self.on_cpu:
+            if self._kv_mapping is not None:
+                self._kv_mapping.madvise(mmap.MADV_DONTNEED)
+            return
+        if self.kv_caches:
+            first = self.kv_caches[0].paged
+            self._released_kv = ((len(self.kv_caches), *first.shape), first.dtype)
+            self.kv_caches = []
+
+    def restore_kv_cache(self) -> None:
+        """The pool usable again after :meth:`release_kv_cache` (zeroed on a GPU; on CPU
+        the pages come back, zero, as the next steps write them)."""
+        if not self.on_cpu and self._released_kv is not None:
+            shape, dtype = self._released_kv
+            cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
+            self._released_kv = None
 
     def _gather_buffers_for(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for gathering ``num_blocks`` blocks of one layer; grows, never shrinks."""

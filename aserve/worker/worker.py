@@ -7,8 +7,11 @@ a message.
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,7 +38,7 @@ logger = logging.getLogger("aserve.worker")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, tp: TPGroup, *, show_progress: bool = False) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup, *, show_progress: bool = False, dp_rank: int = 0) -> None:
         """``config`` must be fitted (``max_model_len``, ``num_blocks`` and the device
         known). On CUDA the model goes to the current device (a worker process sets it
         before it joins its TP group; in process it is GPU 0 unless the caller set one)."""
@@ -49,44 +52,12 @@ class Worker:
         kv_name = config.cache.kv_cache_dtype
         self.kv_dtype = self.dtype if kv_name == "auto" else resolve_dtype(kv_name, arch)
         keep_freed_memory()
-        progress = ProgressBar("aserve: loading weights") if show_progress else None
-        model = load_model(model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
-                           progress=progress)
-        if not on_cpu:
-            # Loaded into host memory, shard by shard; one copy to the GPU. Tied weights
-            # stay tied (Module.to replaces each parameter's data in place).
-            model.to(self.device)
-        f32 = load_f32_linear() if self.dtype == torch.float32 and on_cpu else None
-        amx = load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None
-        prepack_linears(model, amx, f32)
-        if on_cpu and tp.rank == 0:
-            # Each choice said once, at start-up (ASERVE_CPU_F32_LINEAR=0 and ASERVE_CPU_AMX=0 turn them off).
-            if self.dtype == torch.float32:
-                logger.info("float32 linear layers: %s", "oneDNN and MKL (the kernel is off or cannot run here)"
-                            if f32 is None else f"aserve's kernel, {'AVX-512' if f32.form == 512 else 'AVX2'} form")
-            elif self.dtype == torch.bfloat16:
-                logger.info("bf16 linear layers: %s", "AMX tiles" if amx is not None else "oneDNN (no AMX, or off)")
-        if self.dtype in (torch.float32, torch.bfloat16) and on_cpu:
-            fused = load_fused_ops()
-            if fused is not None:
-                attach_fused_ops(model, fused)
-                # Decode steps through every layer from C, where the model's layers
-                # allow it (bf16 on AMX, float32 on AVX2; aserve/kernels/llama_decode.py).
-                kernel = None
-                blockers = model.fast_path_blockers() if hasattr(model, "fast_path_blockers") else []
-                if blockers and tp.rank == 0:
-                    # Said once, at start-up: these layers run the layer-by-layer path
-                    # (and, where the reason is attention's, the masked torch attention).
-                    logger.info("decode steps run layer by layer, not in one C call: %s (%s)",
-                                ", ".join(blockers), arch.architecture)
-                if hasattr(model, "attach_decode_stack") and not blockers:
-                    if self.dtype == self.kv_dtype == torch.bfloat16:
-                        kernel = load_decode_stack()
-                    elif self.dtype == torch.float32:
-                        kernel = load_float32_decode_stack()
-                if kernel is not None and model.attach_decode_stack(kernel):
-                    logger.info("rank %d: decode steps run the decoder layers from C (%s)", tp.rank,
-                                "one call" if tp.size == 1 else "two calls a layer, all-reduced between")
+        self.model_dir, self.arch = model_dir, arch
+        self.dp_rank = dp_rank
+        self._profiler: Any = None
+        self._profile_dir = Path(".")
+        self._asleep_without_weights = False
+        model = self._build_model(show_progress)
         if on_cpu:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,
@@ -102,6 +73,103 @@ class Worker:
             dtype=self.kv_dtype,
             model_dtype=self.dtype,
         )
+
+    def _build_model(self, show_progress: bool = False, *, at_start: bool = True) -> torch.nn.Module:
+        """The model, loaded, on its device, in its kernels' forms (packed linears, the
+        fused ops, the one-call decode step where the layers allow it): at start-up, and
+        again on waking from a level-2 sleep (``at_start`` False: no log lines again)."""
+        config, tp, arch, on_cpu = self.config, self.tp, self.arch, self.device.type == "cpu"
+        say = tp.rank == 0 and at_start  # each choice said once, at start-up
+        progress = ProgressBar("aserve: loading weights") if show_progress else None
+        model = load_model(self.model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
+                           progress=progress)
+        if not on_cpu:
+            # Loaded into host memory, shard by shard; one copy to the GPU. Tied weights
+            # stay tied (Module.to replaces each parameter's data in place).
+            model.to(self.device)
+        f32 = load_f32_linear() if self.dtype == torch.float32 and on_cpu else None
+        amx = load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None
+        prepack_linears(model, amx, f32)
+        if on_cpu and say:  # ASERVE_CPU_F32_LINEAR=0 and ASERVE_CPU_AMX=0 turn the kernels off
+            if self.dtype == torch.float32:
+                logger.info("float32 linear layers: %s", "oneDNN and MKL (the kernel is off or cannot run here)"
+                            if f32 is None else f"aserve's kernel, {'AVX-512' if f32.form == 512 else 'AVX2'} form")
+            elif self.dtype == torch.bfloat16:
+                logger.info("bf16 linear layers: %s", "AMX tiles" if amx is not None else "oneDNN (no AMX, or off)")
+        if self.dtype in (torch.float32, torch.bfloat16) and on_cpu:
+            fused = load_fused_ops()
+            if fused is not None:
+                attach_fused_ops(model, fused)
+                # Decode steps through every layer from C, where the model's layers
+                # allow it (bf16 on AMX, float32 on AVX2 or AVX-512; aserve/kernels/llama_decode.py).
+                kernel = None
+                blockers = model.fast_path_blockers() if hasattr(model, "fast_path_blockers") else []
+                if blockers and say:
+                    # These layers run the layer-by-layer path (and, where the reason is
+                    # attention's, the masked torch attention).
+                    logger.info("decode steps run layer by layer, not in one C call: %s (%s)",
+                                ", ".join(blockers), arch.architecture)
+                if hasattr(model, "attach_decode_stack") and not blockers:
+                    if self.dtype == self.kv_dtype == torch.bfloat16:
+                        kernel = load_decode_stack()
+                    elif self.dtype == torch.float32:
+                        kernel = load_float32_decode_stack()
+                if kernel is not None and model.attach_decode_stack(kernel) and at_start:
+                    logger.info("rank %d: decode steps run the decoder layers from C (%s)", tp.rank,
+                                "one call" if tp.size == 1 else "two calls a layer, all-reduced between")
+        return model
+
+    # -- sleep and profile (the engine's utility calls; docs/engine.md, "Sleep") ----------
+
+    def sleep(self, level: int) -> None:
+        """Level 1: drop the KV pool's contents and give its memory back (on CPU the
+        mapping stays and its pages go to the kernel; on a GPU the tensor is freed).
+        Level 2: the weights too (reloaded from the checkpoint on waking). Idempotent
+        for the same level; the engine core sleeps only without requests in flight."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.runner.release_kv_cache()
+        if level == 2 and self.runner.model is not None:
+            self.runner.model = None
+            self._asleep_without_weights = True
+        gc.collect()
+        if self.device.type == "cpu":
+            release_free_memory()
+        else:
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`: the weights reloaded if they were released, the KV pool
+        usable again (empty: the engine core reset its prefix cache)."""
+        if getattr(self, "_asleep_without_weights", False):
+            self.runner.model = self._build_model(at_start=False)
+            self._asleep_without_weights = False
+            if self.device.type == "cpu":
+                release_free_memory()
+        self.runner.restore_kv_cache()
+
+    def start_profile(self, directory: str) -> None:
+        """Record a ``torch.profiler`` trace of this worker's steps until :meth:`stop_profile`."""
+        if self._profiler is not None:
+            raise RuntimeError("a profile is already being recorded")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._profile_dir = Path(directory)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+        self._profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop recording and write the trace (Chrome's JSON format, one file per worker);
+        returns its path."""
+        if self._profiler is None:
+            raise RuntimeError("no profile is being recorded (start_profile first)")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        path = self._profile_dir / f"worker_dp{self.dp_rank}_tp{self.tp.rank}_{os.getpid()}.json"
+        profiler.export_chrome_trace(str(path))
+        return str(path)
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute_model(sched)

@@ -124,7 +124,7 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
     if cfg.tp_size > 1:
         tp = _join_tp_group(cfg, device)
     try:
-        worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0)
+        worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0, dp_rank=cfg.dp_rank)
         _serve_calls(cfg, worker, broadcast, response)
     finally:
         if tp.comm is not None:
@@ -170,18 +170,23 @@ def _serve_calls(cfg: WorkerProcConfig, worker, broadcast: ShmRingReader, respon
     encoder = msgspec.msgpack.Encoder()
     response.wait_for_readers(timeout=300)
     response.write(encoder.encode(WorkerReply(ok=True)))
-    methods = {"execute_model": worker.execute_model}
+    # Every method a call may name; nothing else is reachable from the ring.
+    utilities = {"sleep": worker.sleep, "wake_up": worker.wake_up, "start_profile": worker.start_profile,
+                 "stop_profile": worker.stop_profile}
     while True:
         call: WorkerCall = CALL_DECODER.decode(broadcast.read())
         if call.method == "shutdown":
             return
         try:
-            output = methods[call.method](call.sched)
-            reply = WorkerReply(ok=True, output=output)
+            if call.method == "execute_model":
+                reply = WorkerReply(ok=True, output=worker.execute_model(call.sched))
+            else:
+                result = utilities[call.method](*(() if call.arg is None else (call.arg,)))
+                reply = WorkerReply(ok=True, result=None if result is None else str(result))
         except Exception as exc:
             logger.exception("%s failed", call.method)
             reply = WorkerReply(ok=False, error=f"{type(exc).__name__}: {exc}")
         if cfg.rank == call.output_rank:
             response.write(encoder.encode(reply))
-        if not reply.ok:
-            raise RuntimeError(reply.error)
+        if not reply.ok and call.method == "execute_model":
+            raise RuntimeError(reply.error)  # a failed step ends the worker; a failed utility call does not

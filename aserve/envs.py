@@ -10,6 +10,9 @@ variable                     meaning                                            
 ``ASERVE_CPU_AMX``           ``0``: bf16 linear layers on oneDNN, not AMX tiles   ``1``
 ``ASERVE_CPU_FUSED_DECODE``  ``0``: decode steps call each layer's kernels apart  ``1``
 ``ASERVE_DP_SECRET``         shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
+``ASERVE_TRITON``            ``auto``: the Triton kernels on a GPU; ``1``: also   ``auto``
+                             on CPU tensors (needs ``TRITON_INTERPRET=1``: tests);
+                             ``0``: never
 ===========================  ===================================================  =======================
 
 Read them through :func:`read_env`, once, at the edge (the CLI or a constructor), and
@@ -33,6 +36,7 @@ class Env:
     cpu_amx: bool = True
     cpu_fused_decode: bool = True
     cpu_f32_linear: bool = True
+    triton: str = "auto"  # auto | on | off
 
 
 def read_env(environ: dict[str, str] | None = None) -> Env:
@@ -47,4 +51,6 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         cpu_amx=environ.get("ASERVE_CPU_AMX", "1").lower() not in ("0", "false", "no", "off"),
         cpu_fused_decode=environ.get("ASERVE_CPU_FUSED_DECODE", "1").lower() not in ("0", "false", "no", "off"),
         cpu_f32_linear=environ.get("ASERVE_CPU_F32_LINEAR", "1").lower() not in ("0", "false", "no", "off"),
+        triton={"0": "off", "false": "off", "no": "off", "off": "off", "1": "on", "true": "on", "yes": "on",
+                "on": "on"}.get(environ.get("ASERVE_TRITON", "auto").lower(), "auto"),
     )

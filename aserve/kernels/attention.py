@@ -1,7 +1,8 @@
-"""Paged attention in plain torch: the CPU path, and the reference for device kernels.
+"""Paged attention in plain torch: the CPU path, and the reference for the Triton kernels.
 
-Everything the model needs from the KV cache goes through :func:`paged_attention`, so a
-CUDA build can swap in its own kernel behind the same signature. Decode rows use the C
+Everything the model needs from the KV cache goes through :func:`paged_attention`; with
+``meta.triton`` it runs the Triton kernels of :mod:`aserve.kernels.triton_attention` (the
+GPU path, and the interpreter in tests), whose twin is this module's torch. Decode rows use the C
 kernel of :mod:`aserve.kernels.cpu_decode_attention` when the runner could build it, and
 prefill chunks that of :mod:`aserve.kernels.cpu_prefill_attention` (bf16, AMX), else SDPA.
 
@@ -75,6 +76,10 @@ class AttentionMetadata:
     # prefill chunk of the step in one call, a chunk after cached context reading its
     # keys and values from the paged cache.
     prefill_kernel: PrefillAttention | None = None
+    # The Triton kernels (aserve.kernels.triton_attention) do all of it: the store, decode
+    # rows from ``decode_block_table``, and every chunk through its ``block_ids`` (which
+    # the runner then sets for every chunk, cached context or not).
+    triton: bool = False
 
     @cached_property
     def prefill_spans(self) -> tuple[list[int], list[int], list[int] | None, torch.Tensor | None]:
@@ -146,6 +151,8 @@ def paged_attention(
     p - window + 1 .. p, as Hugging Face's masks say); ``softcap``: the attention logits
     become ``softcap * tanh(logits / softcap)`` before the softmax (Gemma 2). Either
     takes the masked path (:func:`masked_attention`), which the C kernels do not cover."""
+    if meta.triton:
+        return _triton_attention(q, k, v, layer_kv.paged, meta, scale, window, softcap)
     if window is not None or softcap is not None:
         return masked_attention(q, k, v, layer_kv, meta, scale, window, softcap)
     kv_cache = layer_kv.paged
@@ -189,6 +196,28 @@ def paged_attention(
                     <= (chunk.context_len + torch.arange(n_q, device=q.device)).unsqueeze(1))
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """:func:`paged_attention` on the Triton kernels: the store, then the decode rows and
+    the prefill chunks, each straight from the paged cache (windows and soft-capping
+    included)."""
+    from aserve.kernels import triton_attention as tk  # imports triton: only where it is chosen
+
+    tk.store_kv(kv_cache, k, v, meta.slot_mapping)
+    nd = meta.num_decode_tokens
+    out = torch.empty_like(q)
+    if nd:
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        out[:nd] = tk.decode_attention(q[:nd], kv_cache, meta.decode_block_table, meta.decode_seq_lens, scale,
+                                       window=window, softcap=softcap)
+    if meta.prefills:
+        starts, lens, context_lens, table = meta.prefill_spans
+        assert table is not None and context_lens is not None, "the Triton path needs every chunk's block_ids"
+        tk.prefill_attention(q, kv_cache, out, starts, lens, context_lens, table.to(q.device), scale, window=window,
+                             softcap=softcap)
     return out
 
 

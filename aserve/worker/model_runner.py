@@ -56,10 +56,13 @@ class CachedRequestState:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True,
                  device: torch.device | None = None, grammars: GrammarState | None = None,
-                 token_mask: TokenMaskKernel | None = None) -> None:
+                 token_mask: TokenMaskKernel | None = None, triton_attention: bool = False) -> None:
         """``device``: where ``model`` is (default: the CPU); ``grammars``: the
         structured-output state of constrained requests (None: none may come);
-        ``token_mask``: the C kernel that applies their masks (None: numpy)."""
+        ``token_mask``: the C kernel that applies their masks (None: numpy);
+        ``triton_attention``: attention and the KV store on the Triton kernels (the GPU
+        path; on CPU tensors, Triton's interpreter), instead of the C kernels and torch."""
+        self.triton_attention = triton_attention
         self.model = model
         self.grammars = grammars
         self.device = device or torch.device("cpu")
@@ -75,7 +78,7 @@ class ModelRunner:
         self.decode_kernel: DecodeAttention | None = None
         # Prefill chunks: the AMX kernel (bf16), else SDPA.
         self.prefill_kernel: PrefillAttention | None = None
-        self.use_decode_staging = use_decode_staging and self.on_cpu
+        self.use_decode_staging = use_decode_staging and self.on_cpu and not triton_attention
         self.staging: DecodeStaging | None = None
         self._kv_mapping: mmap.mmap | None = None  # the CPU pool's memory
         self._released_kv: tuple[tuple[int, ...], torch.dtype] | None = None  # a GPU pool freed by a sleep
@@ -107,6 +110,8 @@ class ModelRunner:
         cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
         self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
         kernel_dtypes = (torch.float32, torch.bfloat16)
+        if self.triton_attention:
+            return  # the Triton kernels read the pool themselves
         if dtype in kernel_dtypes and model_dtype in kernel_dtypes:  # the pool is host memory: the CPU kernel applies
             self.decode_kernel = load_decode_kernel()
         if dtype == model_dtype == torch.bfloat16:
@@ -248,7 +253,9 @@ class ModelRunner:
         for row in range(num_decode, len(scheduled)):
             state, n = scheduled[row]
             ctx = state.num_computed_tokens
-            chunk_blocks = block_table[row, : -(-(ctx + n) // bs)] if ctx else None
+            # Blocks of the context and the chunk; the Triton kernel reads a chunk's own
+            # keys from the cache too, so it gets them for every chunk.
+            chunk_blocks = block_table[row, : -(-(ctx + n) // bs)] if ctx or self.triton_attention else None
             prefills.append(PrefillChunk(starts[row], starts[row] + n, ctx, chunk_blocks))
         gathered = max([gathered] + [p.block_ids.numel() for p in prefills if p.block_ids is not None])
         buffers = self._gather_buffers_for(gathered) if gathered else None
@@ -257,7 +264,7 @@ class ModelRunner:
             decode_rows=decode_rows, decode_write_index=decode_write_index,
             decode_rows_packed=staged_rows is not None and staged_rows == list(range(num_decode)),
             decode_len=length, decode_kernel=self.decode_kernel, decode_seq_lens=seq_lens,
-            prefill_kernel=self.prefill_kernel,
+            prefill_kernel=self.prefill_kernel, triton=self.triton_attention,
         )
 
         hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]

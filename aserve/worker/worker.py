@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from aserve.config import EngineConfig
+from aserve.envs import read_env
+from aserve.errors import ConfigError
 from aserve.distributed.tp_group import TPGroup
 from aserve.model.hf_config import load_arch_config
 from aserve.kernels.amx_linear import load as load_amx_linear
@@ -35,6 +37,26 @@ from aserve.worker.grammar import GrammarState
 from aserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("aserve.worker")
+
+
+def triton_chosen(device: torch.device) -> bool:
+    """Whether the Triton kernels serve (``ASERVE_TRITON``): by default on a GPU, when
+    triton is installed; ``1`` also on CPU tensors, through Triton's interpreter (tests:
+    it must be ``TRITON_INTERPRET=1`` before triton is imported); ``0`` never. Raises
+    ConfigError where ``1`` cannot be honoured."""
+    choice = read_env().triton
+    if choice == "off" or (device.type == "cpu" and choice != "on"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if choice == "on":
+            raise ConfigError("ASERVE_TRITON=1, but triton is not installed", param="ASERVE_TRITON") from None
+        return False
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("ASERVE_TRITON=1 on the CPU runs Triton's interpreter: set TRITON_INTERPRET=1 too",
+                          param="ASERVE_TRITON")
+    return True
 
 
 class Worker:
@@ -57,13 +79,14 @@ class Worker:
         self._profiler: Any = None
         self._profile_dir = Path(".")
         self._asleep_without_weights = False
+        self.use_triton = triton_chosen(self.device)
         model = self._build_model(show_progress)
         if on_cpu:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,
                                   device=self.device,
                                   grammars=GrammarState(model_dir, arch.vocab_size, arch.eos_token_ids),
-                                  token_mask=load_token_mask())
+                                  token_mask=load_token_mask(), triton_attention=self.use_triton)
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(
             config.cache.num_blocks,
@@ -96,7 +119,14 @@ class Worker:
                             if f32 is None else f"aserve's kernel, {'AVX-512' if f32.form == 512 else 'AVX2'} form")
             elif self.dtype == torch.bfloat16:
                 logger.info("bf16 linear layers: %s", "AMX tiles" if amx is not None else "oneDNN (no AMX, or off)")
-        if self.dtype in (torch.float32, torch.bfloat16) and on_cpu:
+        if self.use_triton:
+            from aserve.kernels.triton_ops import TritonOps
+
+            attach_fused_ops(model, TritonOps(interpret=on_cpu))
+            if say:
+                logger.info("attention, the KV store, norms, rotary and activations: Triton kernels%s",
+                            " (its interpreter, on CPU tensors)" if on_cpu else "")
+        elif self.dtype in (torch.float32, torch.bfloat16) and on_cpu:
             fused = load_fused_ops()
             if fused is not None:
                 attach_fused_ops(model, fused)

@@ -140,6 +140,9 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.hidden_act == "silu" and self.fused_ops is not None and self.fused_ops.supports(gate_up):
             return self.down_proj(self.fused_ops.silu_mul(gate_up))
+        if (self.hidden_act == "gelu_pytorch_tanh" and hasattr(self.fused_ops, "gelu_tanh_mul")
+                and self.fused_ops.supports(gate_up)):  # the Triton kernels have GeGLU; the C ones do not
+            return self.down_proj(self.fused_ops.gelu_tanh_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         # In place on the activation's fresh output: one large temporary fewer.
         return self.down_proj(self.act(gate).mul_(up))

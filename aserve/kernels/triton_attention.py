@@ -1,0 +1,232 @@
+"""Paged attention and the KV-cache store in Triton, behind the contract of
+:func:`aserve.kernels.attention.paged_attention` (the plain-torch path is their twin).
+
+Layout, as everywhere in aserve: one layer's cache is ``[2, num_blocks, block_size, Hk,
+D]`` (keys, values); token ``t`` of a request lives at slot ``block_table[t // bs] * bs +
+t % bs``. The kernels:
+
+- :func:`store_kv`: a step's keys and values to their slots (one program a token).
+- :func:`decode_attention`: one query a row straight from the block table, the context
+  split into parts of ``blocks_per_split`` blocks (a program each, online softmax), then
+  one program a (row, head) merges the parts: a long context keeps every core busy.
+  GQA/MQA by head index; a sliding window (the last ``window`` positions) and logit
+  soft-capping where a layer has them.
+- :func:`prefill_attention`: every prefill chunk of a step, variable lengths, each query
+  over its request's cached context and the chunk's own earlier tokens (causal), from the
+  paged cache (the store runs first). A program takes ``BLOCK_M`` queries of one chunk and
+  one head.
+
+Arithmetic is float32 whatever the inputs' dtype (loads are upcast). On CPU tensors they
+run in Triton's interpreter (``TRITON_INTERPRET=1`` set before import: the tests);
+its bf16 arithmetic is wrong, so the tests use float32 and float16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_vt, stride_side, stride_slot,
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < WIDTH
+    k = tl.load(k_ptr + t * stride_kt + cols, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + cols, mask=mask)
+    tl.store(cache_ptr + slot * stride_slot + cols, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + stride_side + slot * stride_slot + cols, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``k``, ``v`` [T, Hk, D] into ``kv_cache`` [2, blocks, bs, Hk, D] at ``slot_mapping``
+    [T] (rounded to the cache's dtype), as :func:`aserve.kernels.attention.write_kv`."""
+    tokens, hk, d = k.shape
+    if tokens == 0:
+        return
+    assert kv_cache.is_contiguous() and k.stride(2) == 1 and k.stride(1) == d and v.stride(2) == 1 and v.stride(1) == d
+    width = hk * d
+    _store_kv_kernel[(tokens,)](k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0), width,
+                                WIDTH=width, BLOCK=triton.next_power_of_2(width))
+
+
+@triton.jit
+def _decode_part_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_ml_ptr, part_acc_ptr, scale, window, softcap,
+                        stride_qn, stride_qh, stride_side, stride_block, stride_tok, stride_head, stride_tn,
+                        num_splits, num_heads, GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        HAS_SOFTCAP: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + n)
+    kvh = h // GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < D
+    q = tl.load(q_ptr + n * stride_qn + h * stride_qh + dims, mask=dmask, other=0.0).to(tl.float32)
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    m_i = tl.full((), NEG_INF, tl.float32)
+    l_i = tl.zeros((), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    toks = tl.arange(0, BS)
+    for j in range(BLOCKS_PER_SPLIT):
+        b = s * BLOCKS_PER_SPLIT + j
+        pos = b * BS + toks
+        live = b * BS < seq_len
+        block_id = tl.load(table_ptr + n * stride_tn + b, mask=live, other=0).to(tl.int64)
+        offs = block_id * stride_block + toks[:, None] * stride_tok + kvh * stride_head + dims[None, :]
+        k = tl.load(cache_ptr + offs, mask=dmask[None, :], other=0.0).to(tl.float32)  # [BS, D]
+        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BS]
+        if HAS_SOFTCAP:
+            scores = softcap * _tanh(scores / softcap)
+        visible = (pos < seq_len) & (pos >= first)
+        scores = tl.where(visible, scores, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # no key yet: keep every term 0
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe)
+        v = tl.load(cache_ptr + stride_side + offs, mask=dmask[None, :], other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    part = (n * num_heads + h) * num_splits + s
+    tl.store(part_ml_ptr + part * 2, m_i)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i)
+    tl.store(part_acc_ptr + part * BLOCK_D + dims, acc)
+
+
+@triton.jit
+def _decode_merge_kernel(part_ml_ptr, part_acc_ptr, out_ptr, stride_on, stride_oh, num_splits, num_heads,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    smask = splits < num_splits
+    base = (n * num_heads + h) * num_splits
+    m = tl.load(part_ml_ptr + (base + splits) * 2, mask=smask, other=NEG_INF)
+    l = tl.load(part_ml_ptr + (base + splits) * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == NEG_INF, 0.0, tl.exp(m - m_max))
+    dims = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / total
+    tl.store(out_ptr + n * stride_on + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, *, window: int | None = None, softcap: float | None = None,
+                     blocks_per_split: int = 8) -> torch.Tensor:
+    """[N, Hq, D] queries, one a row at position ``seq_lens - 1``, over their cached keys
+    and values (the row's own included: :func:`store_kv` first) through ``block_table``
+    [N, max_blocks]; returns [N, Hq, D] in ``q``'s dtype."""
+    n, hq, d = q.shape
+    _, _, bs, hk, _ = kv_cache.shape
+    assert kv_cache.is_contiguous() and q.stride(2) == 1 and hq % hk == 0
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    max_blocks = block_table.shape[1]
+    splits = triton.cdiv(max_blocks, blocks_per_split)
+    block_d = triton.next_power_of_2(d)
+    # Padded so every split reads whole table rows: past a row's end it reads block 0.
+    table = block_table
+    if splits * blocks_per_split > max_blocks:
+        table = torch.zeros(n, splits * blocks_per_split, dtype=block_table.dtype, device=block_table.device)
+        table[:, :max_blocks] = block_table
+    part_ml = torch.empty(n, hq, splits, 2, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(n, hq, splits, block_d, dtype=torch.float32, device=q.device)
+    _decode_part_kernel[(n, hq, splits)](
+        q, kv_cache, table, seq_lens, part_ml, part_acc, scale, window or 0, softcap or 1.0,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        table.stride(0), splits, hq, GROUP=hq // hk, BS=bs, D=d, BLOCK_D=block_d, BLOCKS_PER_SPLIT=blocks_per_split,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)
+    _decode_merge_kernel[(n, hq)](part_ml, part_acc, out, out.stride(0), out.stride(1), splits, hq, D=d,
+                                  BLOCK_D=block_d, SPLITS=triton.next_power_of_2(splits))
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, table_ptr, starts_ptr, lens_ptr, ctx_ptr, out_ptr, scale, window, softcap,
+                    stride_qt, stride_qh, stride_side, stride_block, stride_tok, stride_head, stride_tc,
+                    stride_ot, stride_oh, GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    start = tl.load(starts_ptr + c)
+    qlen = tl.load(lens_ptr + c)
+    ctx = tl.load(ctx_ptr + c)
+    kvh = h // GROUP
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < qlen
+    dims = tl.arange(0, BLOCK_D)
+    dmask = dims < D
+    q = tl.load(q_ptr + (start + rows)[:, None] * stride_qt + h * stride_qh + dims[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [BM, D]
+    qpos = ctx + rows
+    m_i = tl.full((BLOCK_M,), NEG_INF, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    last = ctx + tl.minimum((mb + 1) * BLOCK_M, qlen)  # keys past the block's last query are never seen
+    toks = tl.arange(0, BS)
+    for b in range(0, tl.cdiv(last, BS)):
+        block_id = tl.load(table_ptr + c * stride_tc + b).to(tl.int64)
+        offs = block_id * stride_block + toks[:, None] * stride_tok + kvh * stride_head + dims[None, :]
+        k = tl.load(cache_ptr + offs, mask=dmask[None, :], other=0.0).to(tl.float32)  # [BS, D]
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BM, BS]
+        if HAS_SOFTCAP:
+            scores = softcap * _tanh(scores / softcap)
+        kpos = b * BS + toks
+        visible = (kpos[None, :] <= qpos[:, None]) & rmask[:, None]
+        if HAS_WINDOW:
+            visible = visible & (kpos[None, :] > qpos[:, None] - window)
+        scores = tl.where(visible, scores, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        v = tl.load(cache_ptr + stride_side + offs, mask=dmask[None, :], other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (start + rows)[:, None] * stride_ot + h * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, starts: list[int],
+                      lens: list[int], context_lens: list[int], block_table: torch.Tensor, scale: float, *,
+                      window: int | None = None, softcap: float | None = None, block_m: int = 16) -> None:
+    """Each chunk ``i`` (queries ``starts[i] .. starts[i] + lens[i]`` of ``q`` [T, Hq, D], at
+    positions ``context_lens[i]`` on) over keys and values 0 .. its position, read through
+    ``block_table[i]`` ([chunks, max_blocks], every block of its context and of the chunk:
+    :func:`store_kv` first); writes those rows of ``out`` [T, Hq, D]."""
+    if not lens:
+        return
+    _, hq, d = q.shape
+    _, _, bs, hk, _ = kv_cache.shape
+    assert kv_cache.is_contiguous() and q.stride(2) == 1 and out.stride(2) == 1 and hq % hk == 0
+    dev = q.device
+    starts_t = torch.tensor(starts, dtype=torch.int64, device=dev)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+    ctx_t = torch.tensor(context_lens, dtype=torch.int64, device=dev)
+    grid = (len(lens), hq, triton.cdiv(max(lens), block_m))
+    _prefill_kernel[grid](q, kv_cache, block_table, starts_t, lens_t, ctx_t, out, scale, window or 0, softcap or 1.0,
+                          q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+                          kv_cache.stride(3), block_table.stride(0), out.stride(0), out.stride(1), GROUP=hq // hk,
+                          BS=bs, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m,
+                          HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)

@@ -1,0 +1,160 @@
+"""The Triton kernels (aserve/kernels/triton_attention.py, triton_ops.py) against their
+plain-torch twins, in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set in
+conftest.py), in float32 and float16 (the interpreter's bf16 arithmetic is wrong), on
+tiny shapes: GQA and MQA, sliding windows, soft-capping, contexts split over several
+programs, block tables in no order and padded; and a whole tiny model stepped through them
+giving the plain path's tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton", reason="needs triton (the test extra)")
+
+from aserve import LLM, SamplingParams  # noqa: E402
+from aserve.kernels import triton_attention as tk  # noqa: E402
+from aserve.kernels.attention import write_kv  # noqa: E402
+from aserve.kernels.triton_ops import TritonOps  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16]
+BS = 16
+
+
+def tol(dtype: torch.dtype) -> dict:
+    return dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
+
+
+def paged(num_blocks: int, hk: int, d: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(2, num_blocks, BS, hk, d, generator=g).to(dtype)
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float,
+              window: int | None, softcap: float | None) -> torch.Tensor:
+    """[S, Hq, D] queries at ``q_pos`` over [L, Hk, D] keys at positions 0 .. L-1, in
+    float64: causal, optionally windowed and soft-capped."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.einsum("shd,hld->hsl", q.double(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    k_pos = torch.arange(keys.shape[0])
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hsl,hld->shd", torch.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_store_writes_what_write_kv_writes(dtype):
+    g = torch.Generator().manual_seed(0)
+    cache = paged(6, 2, 32, dtype, g).zero_()
+    twin = cache.clone()
+    k, v = torch.randn(9, 2, 32, generator=g), torch.randn(9, 2, 32, generator=g)
+    slots = torch.tensor([17, 18, 95, 3, 40, 41, 42, 64, 80])
+    tk.store_kv(cache, k, v, slots)
+    write_kv(twin, k, v, slots)
+    assert torch.equal(cache, twin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hk", [(4, 2), (4, 1), (2, 2)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (20, None), (None, 3.0), (9, 2.0)],
+                         ids=["plain", "window", "softcap", "both"])
+def test_decode_attention_from_the_block_table(dtype, hq, hk, window, softcap):
+    g = torch.Generator().manual_seed(hq * 10 + hk)
+    d, num_blocks = 32, 12
+    cache = paged(num_blocks, hk, d, dtype, g)
+    seq_lens = torch.tensor([1, 17, 70, 33])
+    # Each row's blocks in no particular order (a table that "wraps" the pool), padded with 0.
+    tables = [[5], [7, 2], [11, 3, 9, 1, 6], [4, 10, 8]]
+    table = torch.zeros(4, 5, dtype=torch.int64)
+    for row, ids in enumerate(tables):
+        table[row, : len(ids)] = torch.tensor(ids)
+    q = torch.randn(4, hq, d, generator=g).to(dtype)
+    scale = 1 / math.sqrt(d)
+    got = tk.decode_attention(q, cache, table, seq_lens, scale, window=window, softcap=softcap, blocks_per_split=2)
+    for row in range(4):
+        n = int(seq_lens[row])
+        blocks = torch.tensor(tables[row])
+        keys = cache[0][blocks].reshape(-1, hk, d)[:n]
+        values = cache[1][blocks].reshape(-1, hk, d)[:n]
+        want = reference(q[row : row + 1], keys, values, torch.tensor([n - 1]), scale, window, softcap)
+        assert torch.allclose(got[row].double(), want[0], **tol(dtype)), (row, (got[row].double() - want[0]).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq, hk", [(4, 2), (2, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (11, None), (None, 2.5)], ids=["plain", "window", "softcap"])
+def test_prefill_attention_over_cached_context_and_the_chunk(dtype, hq, hk, window, softcap):
+    g = torch.Generator().manual_seed(7)
+    d = 16
+    cache = paged(16, hk, d, dtype, g)
+    # (context already cached, chunk length, blocks): a fresh prompt, a chunk after a
+    # prefix hit, a later chunk of a long prompt.
+    chunks = [(0, 21, [9, 2]), (19, 7, [3, 14]), (40, 30, [1, 5, 7, 12, 6])]
+    starts, total = [], 0
+    for _, n, _ in chunks:
+        starts.append(total)
+        total += n
+    q = torch.randn(total, hq, d, generator=g).to(dtype)
+    table = torch.zeros(len(chunks), 5, dtype=torch.int64)
+    for row, (_, _, ids) in enumerate(chunks):
+        table[row, : len(ids)] = torch.tensor(ids)
+    out = torch.zeros_like(q)
+    scale = 0.3
+    tk.prefill_attention(q, cache, out, starts, [n for _, n, _ in chunks], [c for c, _, _ in chunks], table, scale,
+                         window=window, softcap=softcap)
+    for (ctx, n, ids), start in zip(chunks, starts):
+        blocks = torch.tensor(ids)
+        keys = cache[0][blocks].reshape(-1, hk, d)[: ctx + n]
+        values = cache[1][blocks].reshape(-1, hk, d)[: ctx + n]
+        want = reference(q[start : start + n], keys, values, ctx + torch.arange(n), scale, window, softcap)
+        assert torch.allclose(out[start : start + n].double(), want, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_element_wise_kernels_match_torch(dtype):
+    ops = TritonOps(interpret=True)
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(5, 48, generator=g).to(dtype), torch.randn(5, 48, generator=g).to(dtype)
+    w = (torch.rand(48, generator=g) + 0.5).to(dtype)
+    out, new_res = ops.rms_norm(x, w, 1e-6, res)
+    summed = (x.float() + res.float()).to(dtype)
+    assert torch.equal(new_res, summed)
+    want = torch.rms_norm(summed.float(), (48,), w.float(), 1e-6)
+    assert torch.allclose(out.float(), want, **tol(dtype))
+    assert torch.allclose(ops.rms_norm(x, w, 1e-6)[0].float(), torch.rms_norm(x.float(), (48,), w.float(), 1e-6),
+                          **tol(dtype))
+    gate_up = torch.randn(3, 2 * 40, generator=g).to(dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert torch.allclose(ops.silu_mul(gate_up).float(), F.silu(gate) * up, **tol(dtype))
+    assert torch.allclose(ops.gelu_tanh_mul(gate_up).float(), F.gelu(gate, approximate="tanh") * up, **tol(dtype))
+    q = torch.randn(6, 3, 16, generator=g).to(dtype)
+    angles = torch.randn(6, 8, generator=g)
+    cos, sin = angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+    x1, x2 = q.float().chunk(2, dim=-1)
+    want = torch.cat([x1 * cos.float() - x2 * sin.float(), x2 * cos.float() + x1 * sin.float()], dim=-1)
+    assert torch.allclose(ops.rotary_(q.clone(), cos, sin).float(), want, **tol(dtype))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
+def test_a_tiny_model_stepped_through_the_triton_kernels_gives_the_plain_tokens(arch, model_dirs, monkeypatch):
+    """Greedy tokens through prefill (chunked, after a prefix hit too) and decode: the
+    same with every attention, store, norm, rotary and activation on the Triton kernels."""
+    prompts = [[(5 * i + 7 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((9, 30, 17))]
+    prompts.append(prompts[1][:20] + [4, 5])  # shares two blocks with the second prompt
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kwargs = dict(dtype="float32", kv_cache_memory=1 << 22, block_size=16, max_num_batched_tokens=24)
+    with LLM(str(model_dirs[arch]), **kwargs) as plain:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    monkeypatch.setenv("ASERVE_TRITON", "1")
+    with LLM(str(model_dirs[arch]), **kwargs) as via_triton:
+        assert via_triton.engine.executor.worker.runner.triton_attention
+        got = [o.outputs[0].token_ids for o in via_triton.generate(prompts, params)]
+    assert got == want

@@ -34,8 +34,15 @@ class ModelConfig:
     # Where the workers compute: "cpu", "cuda", or "auto" (CUDA when a GPU is visible;
     # resolved by fitting, aserve/devices.py).
     device: str = "auto"
+    # CUDA graphs for decode steps on a GPU (aserve/worker/cuda_graphs.py): off with
+    # enforce_eager; batches of up to max_cudagraph_capture_size rows (None: max_num_seqs,
+    # at most 256) are captured.
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
+            raise ConfigError("max_cudagraph_capture_size must be >= 1", param="max_cudagraph_capture_size")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", param="dtype")
         if self.device not in DEVICES:

@@ -81,14 +81,15 @@ timeout 600 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_hf_pa
     -k "not tensor_parallel and not tp_comms" 2>&1 | tee "$OUT/pytest-auto.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
-# Speed, for the record (no target): the 152M benchmark model, one batch of 32 x 128 in /
-# 128 out, bf16 and float32, time per decode step.
+# Speed against the HBM floor (scripts/cuda_bench.py): the 152M benchmark model and a
+# ~1B one made there, bf16, decode steps at batch 1 and 32 with CUDA graphs and eager,
+# the graphs' tokens against the eager ones, and the 152M model served at 32 streams.
+# One "CHECK" line per figure.
 if [ "${SKIP_SPEED:-0}" != 1 ]; then
-    $PY scripts/make_bench_model.py /tmp/aserve-llama-152m --size 152m >/dev/null 2>&1
-    for dtype in bfloat16 float32; do
-        timeout 240 $PY -m aserve bench latency --model /tmp/aserve-llama-152m --device cuda --dtype "$dtype" \
-            --batch-size 32 --input-len 128 --output-len 128 --num-iters 3 --output-json "$OUT/latency-152m-$dtype.json" \
-            2>&1 | tail -3
-    done
+    timeout 420 $PY scripts/cuda_bench.py --models 152m,1b --batches 1,32 --serve --out "$OUT" 2>&1 \
+        | tee "$OUT/speed.txt" | grep "^CHECK"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+echo "== summary =="
+grep -h "passed\|failed\|^CHECK" "$OUT/pytest.txt" "$OUT/pytest-auto.txt" "$OUT/speed.txt" 2>/dev/null | grep -v "^\s*$"
 exit "$status"

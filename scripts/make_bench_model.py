@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Writes the benchmark Llama models (random weights, fixed seed) in Hugging Face format.
 
-    python scripts/make_bench_model.py OUT_DIR [--size 152m|7m|moe-150m|dense-52m]
+    python scripts/make_bench_model.py OUT_DIR [--size 152m|7m|1b|moe-150m|dense-52m]
 
 152m: hidden 1024, 12 layers, 16 heads, intermediate 2816 (~155M parameters with
-aserve's tiny tokenizer). 7m: hidden 256, 4 layers (the embedded default's shape).
+aserve's tiny tokenizer). 1b: hidden 2048, 16 layers, 32 heads on 8 KV heads,
+intermediate 8192 (~1.0B; the CUDA check's large model). 7m: hidden 256, 4 layers (the embedded default's shape).
 moe-150m: a Qwen3-MoE, hidden 768, 8 layers, 12 heads on 4 KV heads, 8 experts of width
 896, top 2 renormalised (151M parameters, 52M active per token); dense-52m: the Qwen3 of
 the same attention whose MLP (width 1792) matches two experts, i.e. the MoE's active
@@ -31,6 +32,10 @@ def config_for(size: str) -> dict:
         return llama_config(**MOE_SHAPE, intermediate_size=1792, architecture="Qwen3MoeForCausalLM",
                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=896, norm_topk_prob=True,
                             decoder_sparse_step=1, mlp_only_layers=[])
+    if size == "1b":
+        return llama_config(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+                            vocab_size=build_tokenizer().get_vocab_size(), max_position_embeddings=4096,
+                            dtype="bfloat16")
     if size == "dense-52m":
         return llama_config(**MOE_SHAPE, intermediate_size=1792, architecture="Qwen3ForCausalLM")
     vocab = build_tokenizer().get_vocab_size()
@@ -64,7 +69,7 @@ def qwen3_extras(cfg: dict, *, seed: int, std: float = 0.02) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--size", choices=("152m", "7m", "moe-150m", "dense-52m"), default="152m")
+    parser.add_argument("--size", choices=("152m", "7m", "1b", "moe-150m", "dense-52m"), default="152m")
     args = parser.parse_args()
     if (args.out_dir / "model.safetensors").is_file():
         print(f"{args.out_dir} exists")

@@ -53,10 +53,12 @@ def test_float32_on_cuda_gives_transformers_greedy_tokens(model_dirs, variant):
             assert lp[token].logprob == pytest.approx(float(reference[len(ids) + i - 1, token]), abs=1e-3)
 
 
-def test_bfloat16_on_cuda_stays_close_to_transformers(llama_dir):
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "gemma2"])
+def test_bfloat16_on_cuda_stays_close_to_transformers(model_dirs, variant):
     """bf16 weights and activations: each chosen token is within 0.1 of the float32
     reference's best logprob at its position (greedy paths may part where two tokens
     are that close)."""
+    llama_dir = model_dirs[variant]
     hf = load_hf(llama_dir)
     llm, outs = _generate(llama_dir, dtype="bfloat16")
     assert llm.engine.executor.worker.runner.kv_caches[0].paged.dtype == torch.bfloat16
@@ -68,6 +70,43 @@ def test_bfloat16_on_cuda_stays_close_to_transformers(llama_dir):
         for i, token in enumerate(got):
             row = reference[len(ids) + i - 1]
             assert float(row.max() - row[token]) < 0.1, (prompt, i)
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma2"])
+def test_cuda_graphs_give_the_eager_tokens(model_dirs, variant):
+    """Decode steps replayed from CUDA graphs (buckets 1, 2, 4, 8 here, padded rows
+    included) give the tokens of the same engine with ``enforce_eager``: greedy and
+    seeded rows, requests finishing at different lengths so the batch shrinks."""
+    prompts = [[(3 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((9, 21, 5, 17, 12, 30))]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 5, 8, 12, 16, 16)]
+    params[4] = SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)
+    kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=KV, max_num_seqs=8, max_model_len=256)
+    with LLM(str(model_dirs[variant]), enforce_eager=True, **kwargs) as eager:
+        assert eager.engine.executor.worker.runner.graphs is None
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    with LLM(str(model_dirs[variant]), **kwargs) as llm:
+        graphs = llm.engine.executor.worker.runner.graphs
+        assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert graphs.replayed > 0
+    assert got == want
+
+
+def test_sampling_on_the_gpu_is_seeded_and_reports_logprobs(llama_dir):
+    """The sampler runs on the GPU: a seeded request gives the same tokens on two
+    engines, with other requests beside it or not, and its logprobs are the float32
+    log-softmax of the logits (each chosen token's logprob at most 0)."""
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=123, max_tokens=12, ignore_eos=True,
+                            logprobs=3)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(llama_dir), device="cuda", dtype="float32", kv_cache_memory=KV) as llm:
+        alone = llm.generate(["The sky is"], seeded)[0].outputs[0]
+        beside = llm.generate(["The sky is", "Once upon"], [seeded, other])[0].outputs[0]
+    with LLM(str(llama_dir), device="cuda", dtype="float32", kv_cache_memory=KV) as again:
+        fresh = again.generate(["The sky is"], seeded)[0].outputs[0]
+    assert alone.token_ids == beside.token_ids == fresh.token_ids
+    for token, lp in zip(alone.token_ids, alone.logprobs):
+        assert token in lp and lp[token].logprob <= 0 and len(lp) >= 3
 
 
 def test_tp2_over_gloo_on_cuda_gives_tp1_results(llama_dir):

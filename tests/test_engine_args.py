@@ -18,6 +18,7 @@ OTHER = {
     "model": "/some/model", "dtype": "bfloat16", "max_model_len": 128, "seed": 7, "device": "cpu",
     "kv_cache_memory": 1 << 22, "kv_cache_dtype": "bfloat16", "block_size": 8, "enable_prefix_caching": False,
     "prefix_cache_reserve": 0.5, "max_num_seqs": 8, "max_num_batched_tokens": 64, "enable_chunked_prefill": False,
+    "enforce_eager": True, "max_cudagraph_capture_size": 16,
     "long_prefill_token_threshold": 32, "tensor_parallel_size": 2, "data_parallel_size": 2, "tp_comm": "gloo",
     "worker_threads": 1, "cpu_affinity": False, "heartbeat_timeout": 5.0, "startup_timeout": 60.0,
     "execute_model_timeout": 90.0,

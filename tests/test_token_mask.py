@@ -1,4 +1,5 @@
-"""The grammar-mask kernel (``cpu_token_mask.c``) against its numpy twin."""
+"""The grammar-mask kernel (``cpu_token_mask.c``) and the torch form the GPU path uses
+(``aserve.worker.sampler.apply_token_bitmask_torch``), each against the numpy twin."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from aserve.kernels import token_mask
+from aserve.worker.sampler import apply_token_bitmask_torch
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,22 @@ def test_the_kernel_masks_as_its_twin_does(kernel, vocab, words, density):
     assert torch.equal(got, expected)
     untouched = [r for r in range(9) if r not in rows]
     assert torch.equal(got[untouched], logits[untouched])
+
+
+@pytest.mark.parametrize("vocab, words", [(427, 14), (100, 3), (100, 4), (1000, 20)],
+                         ids=["vocab-427", "vocab-past-words", "words-past-vocab", "mask-narrower"])
+@pytest.mark.parametrize("density", [0.0, 0.03, 1.0])
+def test_the_torch_form_masks_as_the_twin_does(vocab, words, density):
+    rng = np.random.default_rng(vocab * 5 + words)
+    logits = torch.from_numpy(rng.standard_normal((6, vocab)).astype(np.float32))
+    logits[2, :] = float("-inf")  # nothing finite: the grammar wins
+    rows = [4, 2, 0]
+    bits = _bits(rng, len(rows), words, density)
+    expected = logits.clone()
+    dead_twin = token_mask.apply_token_bitmask_numpy(expected.numpy(), rows, bits)
+    got = logits.clone()
+    assert apply_token_bitmask_torch(got, rows, bits) == dead_twin
+    assert torch.equal(got, expected)
 
 
 def test_the_kernel_keeps_only_what_the_mask_allows(kernel):

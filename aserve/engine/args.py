@@ -69,6 +69,10 @@ class EngineArgs:
     seed: int = _option(0, "seed of the engine's random generator")
     device: str = _option("auto", "where the model runs (auto: CUDA when a GPU is visible, else the CPU)",
                           choices=DEVICES)
+    enforce_eager: bool = _option(False, "on a GPU, run every step eagerly: no CUDA graphs for decode steps")
+    max_cudagraph_capture_size: int | None = _option(None, "on a GPU, the largest decode batch captured as a CUDA "
+                                                     "graph (buckets 1, 2, 4, 8, 16, ...; default: max-num-seqs, "
+                                                     "at most 256)", minimum=1)
     # -- the KV cache ------------------------------------------------------------------
     kv_cache_memory: int = _option(DEFAULT_CPU_KV_CACHE_MEMORY, "bytes for the KV cache over all layers and "
                                    "ranks (also 4GiB, 512MiB, ...; default 4 GiB)", minimum=1, metavar="BYTES")
@@ -135,7 +139,9 @@ class EngineArgs:
         budget = self.max_num_batched_tokens or per_rank * self.tensor_parallel_size
         return EngineConfig(
             model=ModelConfig(model or resolve_model_path(self.model), dtype=self.dtype,
-                              max_model_len=self.max_model_len, seed=self.seed, device=self.device),
+                              max_model_len=self.max_model_len, seed=self.seed, device=self.device,
+                              enforce_eager=self.enforce_eager,
+                              max_cudagraph_capture_size=self.max_cudagraph_capture_size),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               enable_prefix_caching=self.enable_prefix_caching,
                               prefix_cache_reserve=self.prefix_cache_reserve, kv_cache_dtype=self.kv_cache_dtype),

@@ -41,7 +41,7 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_vt, s
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < WIDTH
+    mask = cols < tl.where(slot >= 0, WIDTH, 0)  # slot -1: a padding row (CUDA graphs), stored nowhere
     k = tl.load(k_ptr + t * stride_kt + cols, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + cols, mask=mask)
     tl.store(cache_ptr + slot * stride_slot + cols, k.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -50,7 +50,8 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slots_ptr, stride_kt, stride_vt, s
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """``k``, ``v`` [T, Hk, D] into ``kv_cache`` [2, blocks, bs, Hk, D] at ``slot_mapping``
-    [T] (rounded to the cache's dtype), as :func:`aserve.kernels.attention.write_kv`."""
+    [T] (rounded to the cache's dtype), as :func:`aserve.kernels.attention.write_kv`; a
+    token whose slot is -1 is not stored (the padding rows of a captured decode step)."""
     tokens, hk, d = k.shape
     if tokens == 0:
         return
@@ -81,11 +82,16 @@ def _decode_part_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_ml_ptr, part
     l_i = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     toks = tl.arange(0, BS)
-    for j in range(BLOCKS_PER_SPLIT):
-        b = s * BLOCKS_PER_SPLIT + j
+    # Only this split's blocks that hold keys the row sees: a split past the row's end (a
+    # short row in a table padded to a fixed width, as CUDA graphs have it) or wholly
+    # before its window runs no iteration and leaves an empty part.
+    begin = s * BLOCKS_PER_SPLIT
+    end = tl.minimum(begin + BLOCKS_PER_SPLIT, (seq_len + BS - 1) // BS)
+    if HAS_WINDOW:
+        begin = tl.maximum(begin, first // BS)
+    for b in range(begin, end):
         pos = b * BS + toks
-        live = b * BS < seq_len
-        block_id = tl.load(table_ptr + n * stride_tn + b, mask=live, other=0).to(tl.int64)
+        block_id = tl.load(table_ptr + n * stride_tn + b).to(tl.int64)
         offs = block_id * stride_block + toks[:, None] * stride_tok + kvh * stride_head + dims[None, :]
         k = tl.load(cache_ptr + offs, mask=dmask[None, :], other=0.0).to(tl.float32)  # [BS, D]
         scores = tl.sum(k * q[None, :], axis=1) * scale  # [BS]
@@ -141,17 +147,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     max_blocks = block_table.shape[1]
     splits = triton.cdiv(max_blocks, blocks_per_split)
     block_d = triton.next_power_of_2(d)
-    # Padded so every split reads whole table rows: past a row's end it reads block 0.
-    table = block_table
-    if splits * blocks_per_split > max_blocks:
-        table = torch.zeros(n, splits * blocks_per_split, dtype=block_table.dtype, device=block_table.device)
-        table[:, :max_blocks] = block_table
     part_ml = torch.empty(n, hq, splits, 2, dtype=torch.float32, device=q.device)
     part_acc = torch.empty(n, hq, splits, block_d, dtype=torch.float32, device=q.device)
     _decode_part_kernel[(n, hq, splits)](
-        q, kv_cache, table, seq_lens, part_ml, part_acc, scale, window or 0, softcap or 1.0,
+        q, kv_cache, block_table, seq_lens, part_ml, part_acc, scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        table.stride(0), splits, hq, GROUP=hq // hk, BS=bs, D=d, BLOCK_D=block_d, BLOCKS_PER_SPLIT=blocks_per_split,
+        block_table.stride(0), splits, hq, GROUP=hq // hk, BS=bs, D=d, BLOCK_D=block_d, BLOCKS_PER_SPLIT=blocks_per_split,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)
     _decode_merge_kernel[(n, hq)](part_ml, part_acc, out, out.stride(0), out.stride(1), splits, hq, D=d,
                                   BLOCK_D=block_d, SPLITS=triton.next_power_of_2(splits))

@@ -7,9 +7,9 @@ every tensor-parallel rank samples the same tokens, so the ranks stay in agreeme
 without being told the results.
 
 On CUDA the step's inputs are built on the host as on CPU and copied over once; the KV
-pool is device memory, attention runs SDPA over gathered blocks (the C kernels are
-CPU-only), and the logits come back to the host for the sampler, so a seeded request
-draws the same numbers on either device.
+pool is device memory, attention runs the Triton kernels (or, without triton, SDPA over
+gathered blocks; the C kernels are CPU-only), and the sampler runs on the device too:
+only the sampled token ids and requested logprobs come back to the host.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.kernels.token_mask import TokenMaskKernel
 from aserve.sampling_params import SamplingParams
 from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
+from aserve.worker.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, capture_sizes
 from aserve.worker.decode_staging import DecodeStaging
 from aserve.worker.grammar import GrammarState
-from aserve.worker.sampler import Sampler, SamplingRow, top_logprobs
+from aserve.worker.sampler import Sampler, SamplingRow, batched_logprobs
 from aserve.wire.messages import TokenLogprobs
 
 
@@ -82,6 +83,8 @@ class ModelRunner:
         self.staging: DecodeStaging | None = None
         self._kv_mapping: mmap.mmap | None = None  # the CPU pool's memory
         self._released_kv: tuple[tuple[int, ...], torch.dtype] | None = None  # a GPU pool freed by a sleep
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_decode_graphs)
+        self._graph_args: dict | None = None
 
     def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                       model_dtype: torch.dtype | None = None) -> None:
@@ -121,11 +124,32 @@ class ModelRunner:
             self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                          dtype=model_dtype)
 
+    def capture_decode_graphs(self, *, max_size: int, max_blocks: int, backend: GraphBackend | None = None) -> DecodeGraphs:
+        """Capture decode steps of up to ``max_size`` rows whose block tables are at most
+        ``max_blocks`` wide (:mod:`aserve.worker.cuda_graphs`); later decode-only steps
+        that fit replay them. Needs the Triton attention path and a KV pool. ``backend``:
+        CUDA graphs by default; :class:`EagerReplay` runs the same path without graphs."""
+        if not self.triton_attention or not self.kv_caches:
+            raise RuntimeError("decode graphs need the Triton attention path and an allocated KV pool")
+        self._graph_args = dict(max_size=max_size, max_blocks=max_blocks, backend=backend)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, sizes=capture_sizes(max_size), max_blocks=max_blocks,
+                                   device=self.device, backend=backend or CudaGraphBackend())
+        self.graphs.capture()
+        return self.graphs
+
+    def recapture_decode_graphs(self) -> None:
+        """Capture again, as before, after the pool or the weights were replaced (a wake-up)."""
+        if self._graph_args is not None and self.graphs is None:
+            self.capture_decode_graphs(**self._graph_args)
+
     def release_kv_cache(self) -> None:
         """Give the KV pool's memory back (a sleep): on CPU its pages go back to the
         kernel (``MADV_DONTNEED``; the mapping stays, and reads as zeros until written);
-        on a GPU the tensor is freed. The pool's contents are gone either way."""
+        on a GPU the tensor is freed. The pool's contents are gone either way, and so are
+        captured decode graphs (they point at the old pool and weights;
+        :meth:`recapture_decode_graphs`)."""
         self._gather_buffers = None
+        self.graphs = None
         if self.on_cpu:
             if self._kv_mapping is not None:
                 self._kv_mapping.madvise(mmap.MADV_DONTNEED)
@@ -223,7 +247,7 @@ class ModelRunner:
         gathered = 0  # blocks the decode rows gather per layer
         if num_decode:
             seq_lens = _long_tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
-            if self.decode_kernel is not None:
+            if self.decode_kernel is not None or self.triton_attention:  # read the paged cache in place
                 decode_table = block_table[:num_decode]
             elif staged_rows is not None:
                 length = int(seq_lens.max())
@@ -249,6 +273,8 @@ class ModelRunner:
                 decode_table = decode_table.to(dev)
             if decode_mask is not None:
                 decode_mask = decode_mask.to(dev)
+            if seq_lens is not None:
+                seq_lens = seq_lens.to(dev)
         prefills = []
         for row in range(num_decode, len(scheduled)):
             state, n = scheduled[row]
@@ -267,7 +293,12 @@ class ModelRunner:
             prefill_kernel=self.prefill_kernel, triton=self.triton_attention,
         )
 
-        hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]
+        hidden = None
+        if self.graphs is not None and num_decode == len(scheduled):
+            assert decode_table is not None and seq_lens is not None
+            hidden = self.graphs.run(input_t, pos_t, slot_mapping, decode_table, seq_lens)  # None: no bucket fits
+        if hidden is None:
+            hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]
 
         # Rows that reach the end of their known tokens sample the next one.
         sample_rows = [r for r, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == len(s.token_ids)]
@@ -277,9 +308,7 @@ class ModelRunner:
         if not sample_rows:
             return RunnerOutput([], [], {}, prompt_logprobs)
         last_token = _long_tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows]).to(self.device)
-        logits = self.model.compute_logits(hidden[last_token])  # [N, vocab]
-        if not self.on_cpu:
-            logits = logits.float().cpu()  # the sampler's generators are the host's
+        logits = self.model.compute_logits(hidden[last_token])  # [N, vocab], sampled where they are
         rows = [scheduled[r][0] for r in sample_rows]
         allowed = self.grammars.allowed(sample_ids) if constrained else None
         tokens, logprobs = self.sampler(
@@ -308,8 +337,6 @@ class ModelRunner:
             if top_n is None or end <= start:
                 continue
             lp = torch.log_softmax(self.model.compute_logits(hidden[starts[row] : starts[row] + end - start]).float(),
-                                   dim=-1).cpu()
-            out[state.req_id] = [
-                top_logprobs(lp[i], state.token_ids[start + i + 1], top_n) for i in range(end - start)
-            ]
+                                   dim=-1)
+            out[state.req_id] = batched_logprobs(lp, state.token_ids[start + 1 : end + 1], [top_n] * (end - start))
         return out

@@ -33,6 +33,7 @@ from aserve.model.loader import load_model, resolve_dtype
 from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
 from aserve.worker.cpu_memory import keep_freed_memory, release_free_memory
 from aserve.model.kv_spec import local_kv_heads
+from aserve.worker.cuda_graphs import graph_blockers
 from aserve.worker.grammar import GrammarState
 from aserve.worker.model_runner import ModelRunner
 
@@ -96,6 +97,33 @@ class Worker:
             dtype=self.kv_dtype,
             model_dtype=self.dtype,
         )
+        self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> None:
+        """On a GPU with the Triton kernels, capture the decode steps as CUDA graphs (unless
+        ``enforce_eager``, or a layer cannot be captured); logs what it did and how long
+        it took (counted in start-to-ready)."""
+        config, say = self.config, self.tp.rank == 0
+        if self.device.type != "cuda" or config.model.enforce_eager:
+            return
+        if not self.use_triton:
+            if say:
+                logger.info("decode steps run eagerly: CUDA graphs need the Triton kernels (triton is not installed "
+                            "or ASERVE_TRITON=0)")
+            return
+        blockers = graph_blockers(self.runner.model)
+        if self.tp.size > 1 and config.parallel.tp_comm != "nccl":
+            blockers.append(f"tp_comm {config.parallel.tp_comm} (only NCCL's collectives can be captured)")
+        if blockers:
+            if say:
+                logger.info("decode steps run eagerly, no CUDA graphs: %s", ", ".join(blockers[:3]))
+            return
+        max_size = config.model.max_cudagraph_capture_size or min(config.scheduler.max_num_seqs, 256)
+        max_blocks = -(-config.max_model_len // config.cache.block_size)
+        graphs = self.runner.capture_decode_graphs(max_size=max_size, max_blocks=max_blocks)
+        if say:
+            logger.info("CUDA graphs: decode batches of %s rows captured in %.1f s",
+                        ", ".join(map(str, graphs.sizes)), graphs.capture_seconds)
 
     def _build_model(self, show_progress: bool = False, *, at_start: bool = True) -> torch.nn.Module:
         """The model, loaded, on its device, in its kernels' forms (packed linears, the
@@ -177,6 +205,7 @@ class Worker:
             if self.device.type == "cpu":
                 release_free_memory()
         self.runner.restore_kv_cache()
+        self.runner.recapture_decode_graphs()  # the old graphs pointed at the freed pool
 
     def start_profile(self, directory: str) -> None:
         """Record a ``torch.profiler`` trace of this worker's steps until :meth:`stop_profile`."""

@@ -197,6 +197,9 @@ class MoEMLP(nn.Module):
 
     #: The C kernels (:mod:`aserve.kernels.cpu_fused_ops`), attached after loading on CPU.
     fused_ops: FusedOps | None = None
+    #: Routing reads the experts' token counts back to the host (``bincount().tolist()``),
+    #: which a CUDA graph cannot capture (aserve.worker.cuda_graphs).
+    graph_unsafe = True
 
     def __init__(self, hidden: int, moe: MoEConfig, act: str, *, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()

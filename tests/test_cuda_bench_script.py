@@ -1,0 +1,29 @@
+"""scripts/cuda_bench.py, the speed part of scripts/cuda_check.sh, run on the CPU (its
+``--device cpu`` mode: the same steps, no graphs there) so that the one prepared GPU run
+does not fail on the script itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_reports_each_decode_step_against_its_floor_and_the_graphs_tokens(llama_dir, tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "cuda_bench.py"), "--device", "cpu", "--model-dir", str(llama_dir),
+         "--batches", "1,3", "--dtype", "float32", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("CHECK ")]
+    results = json.loads((tmp_path / "cuda_bench.json").read_text())
+    assert len(lines) == len(results) == 5  # bandwidth, then a step and a tokens line per batch
+    assert results[0]["gb_s"] > 0
+    for batch, step, tokens in ((1, results[1], results[2]), (3, results[3], results[4])):
+        assert step["check"].endswith(f"batch {batch}") and step["floor_ms"] > 0 and step["graphs_ms"] > 0
+        assert abs(step["graphs_over_floor"] - step["graphs_ms"] / step["floor_ms"]) < 0.02
+        assert tokens["equal_to_eager"] == f"{batch}/{batch}"

@@ -315,6 +315,13 @@ def _run(args: argparse.Namespace) -> int:
     from aserve.launch.supervisor import run_headless, run_server
 
     engine_args = from_cli(args)
+    if engine_args.nnodes > 1 and engine_args.node_rank > 0:
+        # A node of an engine across machines that runs only workers.
+        from aserve.launch.startup import prepare_worker_node
+        from aserve.launch.worker_node import run_worker_node
+
+        fitted, secret = prepare_worker_node(engine_args, args)
+        return run_worker_node(fitted, secret, args.log_level)
     if args.headless:
         fitted, served_model_name, dp = prepare_headless(engine_args, args)
         return run_headless(fitted, served_model_name, dp, args.log_level)

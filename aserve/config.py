@@ -115,13 +115,19 @@ TP_COMMS = ("auto", "shm", "gloo", "nccl")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism inside each engine; data parallelism across engines.
+    """Tensor and pipeline parallelism inside each engine; data parallelism across engines.
 
     Each of the ``data_parallel_size`` engines of a dense model is independent (DP size 1
     inside it); ``data_parallel_size_local`` of them run on this node (default: all).
+    An engine has ``pipeline_parallel_size`` stages of ``tensor_parallel_size`` workers:
+    worker ``r`` of an engine is stage ``r // tp``, TP rank ``r % tp``
+    (``aserve/model/pipeline.py``).
     """
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Layers of each stage (None: even, aserve.model.pipeline.stage_layers).
+    pp_layer_partition: tuple[int, ...] | None = None
     data_parallel_size: int = 1
     data_parallel_size_local: int | None = None
     worker_threads: int | None = None  # torch threads per worker; None: cores / local world size
@@ -134,10 +140,37 @@ class ParallelConfig:
     # collective over gloo's TCP), or "auto" (shm on CPU, NCCL on CUDA; resolved by
     # fitting, aserve/devices.py).
     tp_comm: str = "auto"
+    # One engine across machines (docs/parallelism.md, "One engine across machines"): the
+    # engine's workers split evenly over ``nnodes`` nodes, node ``node_rank`` running
+    # workers node_rank * W / nnodes onwards; rank 0's node (the head) also runs the
+    # engine core and the API servers. ``master_addr:master_port`` is the head's
+    # torch.distributed rendezvous (a TCPStore); the two ports after it carry the
+    # engine core's calls to remote workers and their replies (ZeroMQ, CURVE).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
 
     def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be in [0, nnodes), got node_rank={self.node_rank} with "
+                              f"nnodes={self.nnodes}", param="node_rank")
+        if self.nnodes > 1 and self.world_size % self.nnodes:
+            raise ConfigError(f"the engine's {self.world_size} workers (tensor x pipeline parallel size) must split "
+                              f"evenly over nnodes={self.nnodes}", param="nnodes")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ConfigError("an engine across nodes (nnodes > 1) serves one engine: data_parallel_size must be 1 "
+                              "(data parallelism across nodes is --headless with --dp-size-local)", param="nnodes")
+        if not 0 < self.master_port < 65534:
+            raise ConfigError(f"master_port must leave two ports after it, got {self.master_port}",
+                              param="master_port")
         if self.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size must be >= 1", param="tensor_parallel_size")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError("pipeline_parallel_size must be >= 1", param="pipeline_parallel_size")
+        if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
+            raise ConfigError(f"pp_layer_partition gives {len(self.pp_layer_partition)} stages but "
+                              f"pipeline_parallel_size is {self.pipeline_parallel_size}", param="pp_layer_partition")
         if self.data_parallel_size < 1:
             raise ConfigError("data_parallel_size must be >= 1", param="data_parallel_size")
         local = self.data_parallel_size_local
@@ -154,9 +187,30 @@ class ParallelConfig:
         return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
 
     @property
+    def world_size(self) -> int:
+        """Worker processes of one engine: its stages times its TP ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The worker that replies with an engine's step outputs: the first TP rank of the
+        last stage (where the sampling happens)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    @property
+    def workers_per_node(self) -> int:
+        """An engine's workers on each of its nodes (all of them with one node)."""
+        return self.world_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks of the engine's workers this node runs."""
+        return range(self.node_rank * self.workers_per_node, (self.node_rank + 1) * self.workers_per_node)
+
+    @property
     def local_world_size(self) -> int:
         """Worker processes on this node: they share its cores."""
-        return max(1, self.local_engines) * self.tensor_parallel_size
+        return max(1, self.local_engines) * self.workers_per_node
 
     def threads_per_worker(self, cores: int) -> int:
         """``worker_threads``, or the node's cores shared out between its workers
@@ -174,8 +228,8 @@ class ParallelConfig:
         step then never shares its cores with HTTP and scheduling work (vLLM binds its
         CPU workers' threads to cores for the same reason). Otherwise (the usual case of
         workers that use every core) nothing is pinned: the OS balances better than a
-        fixed split of too few cores. Worker ``k`` is local engine ``k // tp``, rank
-        ``k % tp``."""
+        fixed split of too few cores. Worker ``k`` is local engine ``k // world``, rank
+        ``k % world`` (world: ``world_size``)."""
         cpus = self.node_cpus
         if not self.cpu_affinity or cpus is None:
             return None
@@ -193,7 +247,7 @@ class ParallelConfig:
         return None if plan is None else plan[0]
 
     def worker_cpus(self, dp_rank: int, rank: int) -> tuple[int, ...] | None:
-        """The cores of TP rank ``rank`` of DP engine ``dp_rank`` (None: any); a node's
+        """The cores of worker ``rank`` of DP engine ``dp_rank`` (None: any); a node's
         engines are consecutive DP ranks."""
         plan = self.cpu_plan()
         if plan is None:
@@ -201,9 +255,9 @@ class ParallelConfig:
         return plan[1][self.local_worker_index(dp_rank, rank)]
 
     def local_worker_index(self, dp_rank: int, rank: int) -> int:
-        """Which of this node's workers TP rank ``rank`` of DP engine ``dp_rank`` is (its
+        """Which of this node's workers worker ``rank`` of DP engine ``dp_rank`` is (its
         cores, its GPU); a node's engines are consecutive DP ranks."""
-        return (dp_rank % max(1, self.local_engines)) * self.tensor_parallel_size + rank
+        return (dp_rank % max(1, self.local_engines)) * self.workers_per_node + rank % self.workers_per_node
 
 
 #: Seconds without a heartbeat after which an engine core or worker counts as dead (each

@@ -46,15 +46,19 @@ def resolve_device(requested: str, gpus: int) -> str:
     return requested
 
 
-def resolve_tp_comm(requested: str, device: str) -> str:
+def resolve_tp_comm(requested: str, device: str, *, tp_spans_nodes: bool = False) -> str:
     """The TP communicator for ``device``: ``auto`` is shared memory on CPU and NCCL on
-    CUDA. gloo works on both (on CUDA it copies through host memory: for tests and for
-    ranks that share one GPU, which NCCL refuses). Raises ``ConfigError`` for shared
-    memory on CUDA or NCCL on CPU."""
+    CUDA; gloo on CPU when a TP group spans machines (``tp_spans_nodes``: shared memory
+    cannot). gloo works on both (on CUDA it copies through host memory: for tests and
+    for ranks that share one GPU, which NCCL refuses). Raises ``ConfigError`` for shared
+    memory on CUDA or across machines, or NCCL on CPU."""
     if requested == "auto":
-        return "nccl" if device == "cuda" else "shm"
+        return "nccl" if device == "cuda" else "gloo" if tp_spans_nodes else "shm"
     if (requested == "shm" and device != "cpu") or (requested == "nccl" and device != "cuda"):
         raise ConfigError(f"tp_comm={requested!r} does not work on device {device!r}", param="tp_comm")
+    if requested == "shm" and tp_spans_nodes:
+        raise ConfigError("tp_comm='shm' needs each TP group on one machine; with these nnodes a group spans "
+                          "machines (use gloo, or a pipeline stage per machine)", param="tp_comm")
     return requested
 
 

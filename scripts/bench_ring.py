@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Broadcast latency to 2 readers: aserve's shared-memory ring against
-``torch.distributed.broadcast_object_list`` over gloo, side by side.
+``torch.distributed.broadcast_object_list`` over gloo, and against the path to workers on
+other nodes (``aserve.distributed.remote_workers``: a CURVE-authenticated ZeroMQ PUB over
+TCP, here over loopback, acknowledged on the PUSH/PULL reply wire), side by side.
 
     python scripts/bench_ring.py [--rounds 300] [--readers 2]
 
@@ -95,6 +97,80 @@ def bench_ring(size: int, rounds: int, n: int, tmp: str) -> list[float]:
     return latencies
 
 
+# -- the remote workers' wires ---------------------------------------------------------
+
+SECRET = b"bench-secret-of-sixteen-bytes-or-more"
+
+
+def remote_reader(port: int, rank: int, rounds: int, out) -> None:
+    import zmq
+
+    from aserve.distributed.remote_workers import CallSubscriber, ReplyPusher, call_address, reply_address
+
+    ctx = zmq.Context()
+    sub = CallSubscriber(ctx, call_address("127.0.0.1", port), SECRET)
+    push = ReplyPusher(ctx, reply_address("127.0.0.1", port), rank, SECRET)
+    sub.wait_connected(60)
+    sub.read()  # the first probe: subscribed (a PUB drops what it sends before that)
+    push.write(b"ready")
+    latencies = []
+    for _ in range(rounds):
+        payload = sub.read()
+        while payload == b"probe":
+            payload = sub.read()
+        latencies.append((time.perf_counter_ns() - struct.unpack_from("<q", payload)[0]) / 1000)
+        push.write(b"k")
+    out.send(latencies)
+    sub.close()
+    push.close()
+    ctx.term()
+
+
+def bench_remote(size: int, rounds: int, n: int) -> list[float]:
+    import socket
+
+    import zmq
+
+    from aserve.distributed.remote_workers import RemoteWorkers
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = zmq.Context()
+    head = RemoteWorkers(ctx, master_addr="127.0.0.1", master_port=port, ranks=list(range(n)), secret=SECRET)
+    spawn = mp.get_context("spawn")
+    pipes, procs = [], []
+    for rank in range(n):
+        parent, child = spawn.Pipe()
+        proc = spawn.Process(target=remote_reader, args=(port, rank, rounds, child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    ready: set[int] = set()
+    while len(ready) < n:  # publish probes until every reader has seen one
+        head.publish(b"probe")
+        for rank in range(n):
+            if rank not in ready:
+                try:
+                    head.read(rank, 0.01)
+                    ready.add(rank)
+                except TimeoutError:
+                    pass
+    body = bytearray(size)
+    for _ in range(rounds):
+        struct.pack_into("<q", body, 0, time.perf_counter_ns())
+        head.publish(bytes(body))
+        for rank in range(n):
+            while head.read(rank, 60) == b"ready":  # a late answer to a probe
+                pass
+    latencies = [x for p in pipes for x in p.recv()]
+    for proc in procs:
+        proc.join()
+    head.close()
+    ctx.term()
+    return latencies
+
+
 # -- gloo ------------------------------------------------------------------------------
 
 def gloo_rank(rank: int, world: int, init: str, size: int, rounds: int, out) -> None:
@@ -143,11 +219,15 @@ def main() -> None:
         for label, size in SIZES.items():
             ring = bench_ring(size, args.rounds, args.readers, tmp)
             gloo = bench_gloo(size, args.rounds, args.readers, tmp)
-            for name, lat in (("aserve shm ring", ring), ("gloo broadcast_object_list", gloo)):
+            remote = bench_remote(size, args.rounds, args.readers)
+            for name, lat in (("aserve shm ring", ring), ("gloo broadcast_object_list", gloo),
+                              ("remote workers' ZeroMQ (TCP)", remote)):
                 print(f"{label:<8} {name:<28} {percentile(lat, .5):>9.0f} {percentile(lat, .99):>9.0f}")
             print(json.dumps({"payload": label, "ring_p50_us": round(percentile(ring, .5)),
                               "ring_p99_us": round(percentile(ring, .99)), "gloo_p50_us": round(percentile(gloo, .5)),
                               "gloo_p99_us": round(percentile(gloo, .99)),
+                              "remote_p50_us": round(percentile(remote, .5)),
+                              "remote_p99_us": round(percentile(remote, .99)),
                               "p50_speedup": round(percentile(gloo, .5) / percentile(ring, .5), 1)}))
 
 

@@ -53,7 +53,76 @@ def test_dockerfile_installs_as_the_readme_and_runs_aserve_as_pid_1(name):
 
 
 def _manifests() -> list[dict]:
-    return [doc for path in sorted((DOCKER / "k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text())]
+    """The single-pod manifests (lws.yaml, one engine across pods, has its own tests)."""
+    return [doc for path in sorted((DOCKER / "k8s").glob("*.yaml")) if path.name != "lws.yaml"
+            for doc in yaml.safe_load_all(path.read_text())]
+
+
+def _lws() -> tuple[dict, dict]:
+    lws, service = yaml.safe_load_all((DOCKER / "k8s" / "lws.yaml").read_text())
+    return lws, service
+
+
+def test_the_leader_worker_set_validates_against_the_kubernetes_schemas():
+    """LeaderWorkerSet is a custom resource the bundled schemas do not have: its Service
+    and both of its pod templates (as pods) are validated against the Kubernetes schemas,
+    and its own fields are checked here."""
+    import kubernetes_validate
+
+    lws, service = _lws()
+    assert (lws["apiVersion"], lws["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+    kubernetes_validate.validate(service, K8S_VERSION, strict=True)
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert set(lws["spec"]) <= {"replicas", "leaderWorkerTemplate", "startupPolicy", "rolloutStrategy",
+                                "networkConfig"}
+    assert set(template) <= {"size", "restartPolicy", "leaderTemplate", "workerTemplate", "subGroupPolicy"}
+    assert lws["spec"]["startupPolicy"] in ("LeaderCreated", "LeaderReady")
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template[role]["metadata"]},
+               "spec": template[role]["spec"]}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def _args(container: dict, group_size: int, index: int) -> list[str]:
+    """The container's args as LWS's environment expands them."""
+    values = {"$(LWS_GROUP_SIZE)": str(group_size), "$(LWS_WORKER_INDEX)": str(index),
+              "$(LWS_LEADER_ADDRESS)": "aserve-0.aserve.default"}
+    return [values.get(a, a) for a in container["args"]]
+
+
+def test_the_leader_worker_set_runs_one_engine_over_its_group():
+    from aserve.cli import build_parser
+    from aserve.engine.args import from_cli
+
+    lws, service = _lws()
+    template = lws["spec"]["leaderWorkerTemplate"]
+    size = template["size"]
+    assert size >= 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = template["leaderTemplate"]["spec"]["containers"][0]
+    worker = template["workerTemplate"]["spec"]["containers"][0]
+    parsed = {}
+    for role, container, index in (("leader", leader, 0), ("worker", worker, 1)):
+        args = build_parser().parse_args(["run", *_args(container, size, index)])
+        engine = from_cli(args)
+        parsed[role] = (args, engine)
+        assert (engine.nnodes, engine.node_rank, engine.master_addr) == (size, index, "aserve-0.aserve.default")
+        assert args.headless == (role == "worker")
+        # The secret from a Kubernetes Secret, as the environment variable aserve reads.
+        env = {e["name"]: e for e in container["env"]}
+        assert env["ASERVE_DP_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "aserve-node-secret"
+        spec = template[f"{role}Template"]["spec"]
+        shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert any(m["mountPath"] == "/dev/shm" for m in container["volumeMounts"])
+    # Same engine on both sides; the leader serves HTTP with probes, the Service finds only it.
+    assert parsed["leader"][1].pipeline_parallel_size == parsed["worker"][1].pipeline_parallel_size
+    assert parsed["leader"][1].master_port == parsed["worker"][1].master_port
+    ports = {p["containerPort"] for p in leader["ports"]}
+    assert {8000, parsed["leader"][1].master_port + 1, parsed["leader"][1].master_port + 2} <= ports
+    assert leader["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert leader["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert service["spec"]["selector"] == template["leaderTemplate"]["metadata"]["labels"]
+    assert service["spec"]["selector"] != template["workerTemplate"]["metadata"]["labels"]
 
 
 def test_manifests_validate_against_the_kubernetes_schemas():

@@ -23,11 +23,47 @@ def test_threads_share_the_node_between_its_workers():
     ({"data_parallel_size": 2, "data_parallel_size_local": 3}, "data_parallel_size_local"),
     ({"worker_threads": 0}, "worker_threads"),
     ({"tp_comm": "mpi"}, "tp_comm"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+    ({"pipeline_parallel_size": 2, "pp_layer_partition": (1, 1, 1)}, "pp_layer_partition"),
+    ({"nnodes": 2, "node_rank": 2, "tensor_parallel_size": 2}, "node_rank"),
+    ({"nnodes": 2, "tensor_parallel_size": 3}, "nnodes"),  # 3 workers do not split over 2 nodes
+    ({"nnodes": 2, "tensor_parallel_size": 2, "data_parallel_size": 2}, "nnodes"),
+    ({"master_port": 65535}, "master_port"),
 ])
 def test_bad_values_name_their_field(kwargs, param):
     with pytest.raises(ConfigError) as info:
         ParallelConfig(**kwargs)
     assert info.value.param == param
+
+
+def test_an_engine_across_nodes_splits_its_ranks_in_order():
+    """Worker r of an engine is stage r // tp, TP rank r % tp; node k runs ranks
+    k * W / n onwards, and the threads of a node are shared by its own workers."""
+    head = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2)
+    node = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, node_rank=1)
+    assert (head.world_size, head.workers_per_node, head.output_rank) == (4, 2, 2)
+    assert head.local_ranks == range(0, 2) and node.local_ranks == range(2, 4)
+    assert node.local_world_size == 2 and node.threads_per_worker(2) == 1
+    assert node.local_worker_index(0, 3) == 1  # its second local worker: its cores, its GPU
+
+
+def test_shared_memory_collectives_stay_on_one_machine():
+    from aserve.devices import resolve_tp_comm
+
+    assert resolve_tp_comm("auto", "cpu", tp_spans_nodes=True) == "gloo"
+    assert resolve_tp_comm("auto", "cpu", tp_spans_nodes=False) == "shm"
+    with pytest.raises(ConfigError) as info:
+        resolve_tp_comm("shm", "cpu", tp_spans_nodes=True)
+    assert info.value.param == "tp_comm"
+
+
+@pytest.mark.parametrize("owner", ["LLM", "AsyncLLM"])
+def test_the_library_refuses_an_engine_across_nodes(llama_dir, owner):
+    import aserve
+
+    with pytest.raises(ConfigError) as info:
+        getattr(aserve, owner)(str(llama_dir), nnodes=2, tensor_parallel_size=2)
+    assert info.value.param == "nnodes"
 
 
 def test_step_budget_defaults_scale_with_tensor_parallelism(llama_dir):

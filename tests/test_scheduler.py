@@ -263,3 +263,51 @@ def test_requests_waiting_past_max_queue_time_expire_and_scheduled_ones_do_not()
     assert sched.expire_queued(start + 100.0) == []
     run_step(sched)
     assert sched.requests["a"].num_output_tokens == 2
+
+
+def test_pipeline_batches_hold_different_requests_and_carry_their_tokens():
+    """With pipeline stages (``pipeline_batches``) a request whose token is in flight is
+    not in the next batch (a prompt's chunks may follow each other: every stage runs the
+    batches in order), every batch carries the tokens it computes, and a stage that never samples
+    (the first of two) has every input it is asked to compute; the tokens equal those
+    of synchronous scheduling."""
+    sync = make_scheduler(budget=16)
+    _add_mix(sync)
+    expected, _ = run_engine(sync, _token_at, depth=1)
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8), kv, max_model_len=256,
+                      pipeline_batches=2)
+    _add_mix(sched)
+    last = FakeRunner(_token_at)
+    first: dict[str, list[int]] = {}  # the first stage's tokens: never sampled there
+    inflight, results, overlapped = [], {}, 0
+    while sched.has_unfinished_requests() or inflight:
+        if len(inflight) < 2:
+            out = sched.schedule()
+            if not out.is_empty or out.freed_req_ids:
+                if inflight:
+                    assert not set(out.num_scheduled_tokens) & set(inflight[0][1].req_ids)
+                    overlapped += bool(out.num_scheduled_tokens)
+                for rid in out.freed_req_ids:
+                    first.pop(rid, None)
+                for new in out.new_requests:
+                    first[new.req_id] = list(new.token_ids)
+                for cached in out.cached_requests:
+                    start = cached.num_computed_tokens
+                    first[cached.req_id][start : start + len(cached.new_token_ids)] = cached.new_token_ids
+                    assert len(cached.new_token_ids) == out.num_scheduled_tokens[cached.req_id]
+                for rid, n in out.num_scheduled_tokens.items():
+                    start = next(r.num_computed_tokens for r in [*out.new_requests, *out.cached_requests]
+                                 if r.req_id == rid)
+                    assert start + n <= len(first[rid]), "the first stage lacks an input token"
+                inflight.append((out, last.run(out)))
+                if len(inflight) < 2:
+                    continue
+        out, result = inflight.pop(0)
+        for o in sched.update_from_output(out, result):
+            entry = results.setdefault(o.request_id, [[], None])
+            entry[0].extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                entry[1] = o.finish_reason
+    assert results == expected
+    assert overlapped > 5  # the long prompt's chunks and the others' decodes in different batches

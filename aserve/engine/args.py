@@ -43,6 +43,7 @@ from aserve.config import (
     SchedulerConfig,
 )
 from aserve.devices import DEVICES
+from aserve.model.pipeline import parse_partition
 from aserve.errors import ConfigError
 
 Usage = Literal["library", "server"]
@@ -94,11 +95,23 @@ class EngineArgs:
                                                        "streaming", minimum=1)
     # -- parallelism and processes ---------------------------------------------------------
     tensor_parallel_size: int = _option(1, "tensor-parallel ranks of each engine", aliases=("--tp",), minimum=1)
+    pipeline_parallel_size: int = _option(1, "pipeline stages of each engine, each with its own layers and "
+                                          "tensor-parallel ranks", aliases=("--pp",), minimum=1)
+    pp_layer_partition: str | None = _option(None, "layers of each pipeline stage, comma-separated (e.g. 5,7; "
+                                             "default: even, extra layers before the last stage)", metavar="N,N,...")
     data_parallel_size: int = _option(1, "data-parallel engines, each with its own TP group", aliases=("--dp",),
                                       minimum=1)
     tp_comm: str = _option("auto", "how the workers of one engine exchange activations: shm (CPU shared memory), "
                            "nccl (CUDA), gloo (gloo's TCP for every collective, either device); auto: shm on CPU, "
                            "nccl on CUDA", choices=TP_COMMS)
+    nnodes: int = _option(1, "machines one engine spans (its workers split evenly over them; the first runs the "
+                          "engine core and the API servers)", minimum=1)
+    node_rank: int = _option(0, "this machine's place among --nnodes (0: the head; the others run with "
+                             "--headless)")
+    master_addr: str = _option("127.0.0.1", "the head's address, where every node's workers meet "
+                               "(torch.distributed's rendezvous)")
+    master_port: int = _option(29501, "the head's rendezvous port; the two after it carry the engine core's "
+                               "calls to remote workers and their replies", minimum=1)
     worker_threads: int | None = _option(None, "torch threads per worker (default: this node's cores / its "
                                          "workers). On a small machine a tiny model serves faster with fewer, "
                                          "leaving cores to the API server", minimum=1)
@@ -149,10 +162,14 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    pipeline_parallel_size=self.pipeline_parallel_size,
+                                    pp_layer_partition=parse_partition(self.pp_layer_partition),
                                     data_parallel_size=self.data_parallel_size,
                                     data_parallel_size_local=data_parallel_size_local,
                                     worker_threads=self.worker_threads, node_cpus=node_cpus(),
-                                    cpu_affinity=self.cpu_affinity, tp_comm=self.tp_comm),
+                                    cpu_affinity=self.cpu_affinity, tp_comm=self.tp_comm, nnodes=self.nnodes,
+                                    node_rank=self.node_rank, master_addr=self.master_addr,
+                                    master_port=self.master_port),
             health=HealthConfig(heartbeat_timeout=self.heartbeat_timeout, startup_timeout=self.startup_timeout,
                                 execute_model_timeout=self.execute_model_timeout),
         )

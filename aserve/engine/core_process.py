@@ -117,9 +117,9 @@ def run_engine_core(cfg: EngineCoreProcConfig) -> None:
     code = 0
     heartbeat = table = None
     if cfg.heartbeat_name is not None:
-        tp = cfg.fitted.config.parallel.tensor_parallel_size
-        table = HeartbeatTable(cfg.heartbeat_name, engine_slot(cfg.engine_index, tp) + 1 + tp, create=False)
-        heartbeat = Heartbeat(table, engine_slot(cfg.engine_index, tp)).__enter__()
+        world = cfg.fitted.config.parallel.world_size  # the engine's workers
+        table = HeartbeatTable(cfg.heartbeat_name, engine_slot(cfg.engine_index, world) + 1 + world, create=False)
+        heartbeat = Heartbeat(table, engine_slot(cfg.engine_index, world)).__enter__()
     try:
         anyio.run(_serve, cfg)
     except KeyboardInterrupt:
@@ -152,7 +152,7 @@ def _make_executor_factory(cfg: EngineCoreProcConfig) -> Callable[[EngineConfig]
     from aserve.executor.multiproc import MultiprocExecutor
 
     return lambda config: MultiprocExecutor(config, instance=cfg.instance, dp_rank=cfg.engine_index,
-                                            heartbeat_name=cfg.heartbeat_name)
+                                            heartbeat_name=cfg.heartbeat_name, secret=cfg.secret)
 
 
 class _Shutdown:

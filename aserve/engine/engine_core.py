@@ -32,12 +32,16 @@ class EngineCore:
             config.cache.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
             prefix_cache_reserve=config.cache.prefix_cache_reserve,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
+        pp = config.parallel.pipeline_parallel_size
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len,
+                                   pipeline_batches=pp)
         # Steps handed to the executor whose output has not been read, oldest first. An
         # executor whose model runs elsewhere (worker processes) takes a second step while
         # the first runs: the engine schedules and processes outputs during the model step
         # instead of leaving the worker idle (asynchronous scheduling).
-        self.max_inflight = getattr(self.executor, "max_inflight", 1)
+        # With pipeline stages, one batch per stage (of different requests: the scheduler's
+        # pipeline_batches), so every stage has work.
+        self.max_inflight = max(getattr(self.executor, "max_inflight", 1), pp)
         self._inflight: deque = deque()
         # Totals since start, for metrics: the engine's own count of what it served, the
         # same whichever API server asks.

@@ -24,6 +24,7 @@ from aserve.model.checkpoint import check_checkpoint
 from aserve.model.dtypes import cpu_half_dtypes, resolve_dtype_name
 from aserve.model.hf_config import ArchConfig, load_arch_config
 from aserve.model.kv_spec import bytes_per_block
+from aserve.model.pipeline import stage_layers
 from aserve.model.registry import check_architecture
 
 logger = logging.getLogger("aserve.engine")
@@ -55,15 +56,25 @@ def fit_config(config: EngineConfig) -> FittedConfig:
     check_architecture(arch.architecture)  # fail early, naming the supported ones
     tp_size = config.parallel.tensor_parallel_size
     check_tp_divides(arch, tp_size)
+    # Each stage's layers (ConfigError for a partition that cannot work); a rank's KV
+    # pool holds its stage's layers, so the stage with the most sizes the blocks.
+    stages = stage_layers(arch.num_hidden_layers, config.parallel.pipeline_parallel_size,
+                          config.parallel.pp_layer_partition)
+    stage_layers_max = max(end - start for start, end in stages)
     check_checkpoint(model_dir)
     # Resolved once, here, and passed on in the fitted config: the workers (and, with
     # --headless nodes, every node) then compute on the device, and in the dtype, the KV
     # cache was sized for.
     gpus = cuda_device_count() if config.model.device != "cpu" else 0
     device = resolve_device(config.model.device, gpus)
-    tp_comm = resolve_tp_comm(config.parallel.tp_comm, device)
-    if tp_comm == "nccl" and tp_size > gpus:
-        raise ConfigError(f"tensor_parallel_size={tp_size} over NCCL needs a GPU per rank, and {gpus} are visible "
+    parallel = config.parallel
+    tp_comm = resolve_tp_comm(parallel.tp_comm, device,
+                              tp_spans_nodes=parallel.nnodes > 1 and parallel.workers_per_node % tp_size != 0)
+    world = config.parallel.world_size
+    if tp_comm == "nccl" and parallel.workers_per_node > gpus:
+        sizes = f"tensor_parallel_size={tp_size}" + (f" x pipeline_parallel_size={world // tp_size}"
+                                                      if world > tp_size else "")
+        raise ConfigError(f"{sizes} over NCCL needs a GPU per rank, and {gpus} are visible "
                           "(NCCL refuses two ranks on one GPU; tp_comm='gloo' lets them share)",
                           param="tensor_parallel_size")
     workers = config.parallel.local_world_size
@@ -78,7 +89,8 @@ def fit_config(config: EngineConfig) -> FittedConfig:
                        "(--dtype %s keeps it)", checkpoint, checkpoint, checkpoint)
     kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype
     block_size = config.cache.block_size
-    per_block = bytes_per_block(arch, tp_size=tp_size, dtype=kv_dtype, block_size=block_size)
+    per_block = bytes_per_block(arch, tp_size=tp_size, dtype=kv_dtype, block_size=block_size,
+                                num_layers=stage_layers_max)
     num_blocks = config.cache.kv_cache_memory // per_block
     if num_blocks < 2:
         raise ConfigError(

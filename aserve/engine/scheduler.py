@@ -42,7 +42,15 @@ from aserve.wire.worker_messages import CachedRequestData, NewRequestData, Runne
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, max_model_len: int,
+                 pipeline_batches: int = 1) -> None:
+        """``pipeline_batches`` P > 1 (pipeline stages, P batches in flight): a request
+        whose sampled token is still in flight is not scheduled again until it comes
+        back, and a batch takes at most 1/P of the running requests, so the batches in
+        flight hold different requests and every stage has one to work on (vLLM's batch
+        queue). Each scheduled request's tokens travel with the step
+        (``new_token_ids``), for the stages that do not sample."""
+        self.pipeline_batches = pipeline_batches
         self.config = config
         self.kv = kv
         self.block_size = kv.block_size
@@ -144,6 +152,8 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if request.num_inflight and self.pipeline_batches > 1:
+            return 0  # its token is in a batch still in flight: the next batch holds others
         if request.num_inflight and (
             request.num_output_tokens + request.num_inflight >= request.max_tokens
             or request.num_tokens + request.num_inflight >= self.max_model_len
@@ -162,8 +172,11 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
+        # With pipeline batches, a share of the running requests: the rest go in the
+        # batches the other stages will run.
+        quota = -(-len(self.running) // self.pipeline_batches)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(cached_reqs) < quota:
             request = self.running[i]
             n = self._num_new_tokens(request, budget)
             if n <= 0:
@@ -183,7 +196,10 @@ class Scheduler:
                 continue  # the request preempted itself; `i` now points at the next one
             num_scheduled[request.request_id] = n
             budget -= n
-            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+            start = request.num_computed_tokens
+            cached_reqs.append(CachedRequestData(
+                request.request_id, new_block_ids, start,
+                list(request.all_token_ids[start : start + n]) if self.pipeline_batches > 1 else []))
             self._advance(request, n)
             i += 1
 

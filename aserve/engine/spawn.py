@@ -19,11 +19,12 @@ from aserve.process.instance import Instance
 from aserve.wire.addresses import WireAddresses
 
 
-def create_heartbeats(instance: Instance, tp_size: int, ranks: range) -> str:
+def create_heartbeats(instance: Instance, world_size: int, ranks: range) -> str:
     """The instance's heartbeat segment with a slot for every engine core and worker of
-    ``ranks`` (slots are indexed by global DP rank); removed by ``Instance.cleanup``."""
+    ``ranks`` (``world_size`` workers an engine; slots are indexed by global DP rank);
+    removed by ``Instance.cleanup``."""
     name = segment_name(instance.id)
-    create_segment(name, ranks.stop * (1 + tp_size))
+    create_segment(name, ranks.stop * (1 + world_size))
     return name
 
 

@@ -1,7 +1,10 @@
-"""Runs the model in worker processes, one per TP rank, over shared-memory rings.
+"""Runs the model in worker processes, one per TP rank of each pipeline stage, over
+shared-memory rings.
 
 The engine core writes each call once to a broadcast ring that every worker reads;
-the call's output rank (rank 0) replies on its own response ring. A wait for a reply
+the call's output rank replies on its own response ring: for a step, the first TP rank
+of the last stage (rank 0 without pipeline stages), which samples; for a utility call,
+rank 0. A wait for a reply
 looks at the workers every second: a worker that died (or, given the instance's
 heartbeat segment, stopped ticking for ``heartbeat_timeout``) fails the executor with
 ``EngineDeadError``, and so does a step that makes no progress for longer than
@@ -21,13 +24,14 @@ import zmq
 
 from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, RingClosedError, ShmRingReader, ShmRingWriter
+from aserve.distributed.remote_workers import RemoteWorkers
 from aserve.errors import EngineDeadError
 from aserve.process.heartbeat import HeartbeatMonitor, HeartbeatTable, worker_slot
 from aserve.process.instance import Instance
 from aserve.process.stop import stop_processes
 from aserve.process.utils import skip_resource_tracker
 from aserve.wire.worker_messages import REPLY_DECODER, RunnerOutput, SchedulerOutput, WorkerCall, WorkerMethod, WorkerReply
-from aserve.worker.worker_process import WorkerProcConfig, run_worker
+from aserve.worker.worker_process import WorkerProcConfig, run_worker, worker_title
 
 logger = logging.getLogger("aserve.executor")
 
@@ -43,19 +47,37 @@ class MultiprocExecutor:
     max_inflight = 2
 
     def __init__(self, config: EngineConfig, *, instance: Instance, dp_rank: int = 0, dp_size: int = 1,
-                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, heartbeat_name: str | None = None) -> None:
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, heartbeat_name: str | None = None,
+                 secret: bytes | None = None) -> None:
         """``config`` is fitted. Waits up to ``config.health.startup_timeout`` for every
-        worker's READY (its model loaded)."""
-        self.tp_size = config.parallel.tensor_parallel_size
+        worker's READY (its model loaded), those of other nodes included when the engine
+        spans several (``secret``: their wires' CURVE secret)."""
+        parallel = config.parallel
+        self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
+        self.world_size = parallel.world_size
+        self.output_rank = parallel.output_rank
+        self.local_ranks = parallel.local_ranks  # the head's: 0 .. workers_per_node - 1
         self._ctx = zmq.Context()
         self._encoder = msgspec.msgpack.Encoder()
+        self._remote: RemoteWorkers | None = None
+        rendezvous = None
+        if parallel.nnodes > 1:
+            host = f"[{parallel.master_addr}]" if ":" in parallel.master_addr else parallel.master_addr
+            rendezvous = f"tcp://{host}:{parallel.master_port}"
+            self._remote = RemoteWorkers(self._ctx, master_addr=parallel.master_addr, master_port=parallel.master_port,
+                                         ranks=[r for r in range(self.world_size) if r not in self.local_ranks],
+                                         secret=secret)
         prefix = instance.segment(f"dp{dp_rank}")
-        self._broadcast = ShmRingWriter(f"{prefix}_bcast", self.tp_size,
+        self._broadcast = ShmRingWriter(f"{prefix}_bcast", len(self.local_ranks),
                                         side_channel_address=instance.ipc(f"dp{dp_rank}_bcast"),
                                         zmq_context=self._ctx, max_chunk_bytes=max_chunk_bytes)
-        self._response_names = [f"{prefix}_resp{rank}" for rank in range(self.tp_size)]
+        self._response_names = {rank: f"{prefix}_resp{rank}" for rank in self.local_ranks}
         self._tp_shm_name = f"{prefix}_tp"
-        self._responses: list[ShmRingReader] = []
+        # The TP collectives' segments: one per stage with pipeline stages.
+        self._tp_shm_names = ([self._tp_shm_name] if self.pp_size == 1
+                              else [f"{self._tp_shm_name}_pp{s}" for s in range(self.pp_size)])
+        self._responses: dict[int, ShmRingReader] = {}
         self.workers: list[mp.process.BaseProcess] = []
         self._closed = False
         self._heartbeats: HeartbeatTable | None = None
@@ -67,34 +89,42 @@ class MultiprocExecutor:
         skip_resource_tracker()
         spawn = mp.get_context("spawn")
         try:
-            for rank in range(self.tp_size):
+            for rank in self.local_ranks:
                 cfg = WorkerProcConfig(
-                    engine=config, rank=rank, tp_size=self.tp_size, dp_rank=dp_rank, dp_size=dp_size,
+                    engine=config, rank=rank, tp_size=self.tp_size, pp_size=self.pp_size, dp_rank=dp_rank,
+                    dp_size=dp_size, first_local_rank=self.local_ranks.start, local_count=len(self.local_ranks),
+                    rendezvous=rendezvous,
                     broadcast_name=f"{prefix}_bcast", broadcast_side=instance.ipc(f"dp{dp_rank}_bcast"),
                     response_name=self._response_names[rank], response_side=instance.ipc(f"dp{dp_rank}_resp{rank}"),
                     dist_init_file=f"{instance.dir}/dist_dp{dp_rank}", tp_shm_name=self._tp_shm_name, max_chunks=DEFAULT_MAX_CHUNKS,
                     max_chunk_bytes=max_chunk_bytes, heartbeat_name=heartbeat_name,
                 )
-                proc = spawn.Process(target=run_worker, args=(cfg,), name=f"worker_dp{dp_rank}_tp{rank}")
+                proc = spawn.Process(target=run_worker, args=(cfg,), name=worker_title(cfg).removeprefix("aserve::"))
                 proc.start()
                 self.workers.append(proc)
             deadline = time.monotonic() + config.health.startup_timeout
             if heartbeat_name is not None:
                 # Each worker ticks from a thread from its start (its load included): a
                 # stopped one fails whatever waits on it, as one that exited does.
-                self._heartbeats = HeartbeatTable(heartbeat_name, worker_slot(dp_rank, self.tp_size, self.tp_size - 1) + 1,
+                world = self.world_size
+                self._heartbeats = HeartbeatTable(heartbeat_name, worker_slot(dp_rank, world, world - 1) + 1,
                                                   create=False)
                 self._monitor = HeartbeatMonitor(
-                    self._heartbeats, {worker_slot(dp_rank, self.tp_size, r): f"worker tp{r}" for r in range(self.tp_size)},
+                    self._heartbeats,
+                    {worker_slot(dp_rank, world, r): f"worker {self._name(r)}" for r in self.local_ranks},
                     config.health.heartbeat_timeout)
-            for rank in range(self.tp_size):
-                self._responses.append(self._attach(rank, instance, dp_rank, max_chunk_bytes, deadline))
+            for rank in self.local_ranks:
+                self._responses[rank] = self._attach(rank, instance, dp_rank, max_chunk_bytes, deadline)
             self._broadcast.wait_for_readers(timeout=max(1.0, deadline - time.monotonic()))
-            for rank in range(self.tp_size):  # each worker's READY, after its model loaded
+            for rank in range(self.world_size):  # each worker's READY, after its model loaded (remote ones too)
                 self._read_reply(rank, deadline)
         except BaseException:
             self.shutdown()
             raise
+
+    def _name(self, rank: int) -> str:
+        """``tp1``, or ``pp1_tp0`` with pipeline stages: how errors name a worker."""
+        return f"pp{rank // self.tp_size}_tp{rank % self.tp_size}" if self.pp_size > 1 else f"tp{rank}"
 
     def _attach(self, rank: int, instance: Instance, dp_rank: int, max_chunk_bytes: int, deadline: float) -> ShmRingReader:
         sleep = 0.001
@@ -113,9 +143,11 @@ class MultiprocExecutor:
                 sleep = min(sleep * 2, 0.05)
 
     def _check_workers(self) -> None:
-        for rank, proc in enumerate(self.workers):
+        if self._remote is not None:
+            self._remote.check()
+        for rank, proc in zip(self.local_ranks, self.workers):
             if proc.exitcode is not None:
-                raise EngineDeadError(f"worker tp{rank} exited with code {proc.exitcode}")
+                raise EngineDeadError(f"worker {self._name(rank)} exited with code {proc.exitcode}")
         if self._monitor is not None:
             stale = self._monitor.check(time.monotonic())
             if stale:
@@ -124,18 +156,22 @@ class MultiprocExecutor:
     def _read_reply(self, rank: int, deadline: float) -> RunnerOutput | None:
         reply = self._read(rank, deadline)
         if not reply.ok:
-            raise EngineDeadError(f"worker tp{rank} failed: {reply.error}")
+            raise EngineDeadError(f"worker {self._name(rank)} failed: {reply.error}")
         return reply.output
 
     def _read(self, rank: int, deadline: float) -> WorkerReply:
-        ring = self._responses[rank]
+        ring = self._responses.get(rank)
         while True:
             try:
-                return REPLY_DECODER.decode(ring.read(timeout=min(_POLL, max(0.0, deadline - time.monotonic()))))
+                timeout = min(_POLL, max(0.0, deadline - time.monotonic()))
+                if ring is None:
+                    assert self._remote is not None
+                    return REPLY_DECODER.decode(self._remote.read(rank, timeout))
+                return REPLY_DECODER.decode(ring.read(timeout=timeout))
             except TimeoutError:
                 self._check_workers()
                 if time.monotonic() >= deadline:
-                    raise EngineDeadError(f"worker tp{rank} gave no answer in time") from None
+                    raise EngineDeadError(f"worker {self._name(rank)} gave no answer in time") from None
 
     def collective_rpc(self, method: WorkerMethod, arg: int | str | None = None, *,
                        timeout: float = UTILITY_TIMEOUT) -> str | None:
@@ -151,7 +187,7 @@ class MultiprocExecutor:
         return reply.result
 
     def submit_model(self, sched: SchedulerOutput) -> None:
-        self._write(WorkerCall("execute_model", sched, output_rank=0),
+        self._write(WorkerCall("execute_model", sched, output_rank=self.output_rank),
                     time.monotonic() + self._health.step_bound(self.longest_step))
         self._submitted.append(time.monotonic())
 
@@ -162,7 +198,7 @@ class MultiprocExecutor:
         began = max(self._submitted.pop(0), self._last_done) if self._submitted else time.monotonic()
         bound = self._health.step_bound(self.longest_step)
         try:
-            output = self._read_reply(0, began + bound)
+            output = self._read_reply(self.output_rank, began + bound)
         except EngineDeadError as exc:
             if "gave no answer in time" in str(exc):
                 raise EngineDeadError(f"a model step made no progress for {bound:.0f} s (the workers still tick: "
@@ -175,6 +211,8 @@ class MultiprocExecutor:
 
     def _write(self, call: WorkerCall, deadline: float) -> None:
         payload = self._encoder.encode(call)
+        if self._remote is not None:
+            self._remote.publish(payload)
         while True:
             try:
                 self._broadcast.write(payload, timeout=min(_POLL, max(0.0, deadline - time.monotonic())))
@@ -191,18 +229,22 @@ class MultiprocExecutor:
         self._closed = True
         if all(p.exitcode is None for p in self.workers) and self.workers:
             try:
+                if self._remote is not None:
+                    self._remote.publish(self._encoder.encode(WorkerCall("shutdown")))
                 self._broadcast.write(self._encoder.encode(WorkerCall("shutdown")), timeout=1.0)
             except (TimeoutError, OSError):
                 pass
         stop_processes(self.workers, asked_first=5, grace=5)
         if self._heartbeats is not None:
             self._heartbeats.close()
-        for ring in self._responses:
+        for ring in self._responses.values():
             ring.close()
+        if self._remote is not None:
+            self._remote.close()
         self._broadcast.close()
         # A worker killed hard could not unlink its own ring; rank 0 unlinks the TP segment
         # as soon as every rank mapped it, unless it was killed before that.
-        for name in [*self._response_names, self._tp_shm_name]:
+        for name in [*self._response_names.values(), *self._tp_shm_names]:
             try:
                 os.unlink(f"/dev/shm/{name}")
             except FileNotFoundError:

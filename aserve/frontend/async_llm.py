@@ -39,7 +39,7 @@ import anyio
 
 from aserve.engine.args import EngineArgs
 from aserve.engine.fit import FittedConfig, fit_config
-from aserve.errors import EngineSleepingError, InvalidInputError, RequestTimeoutError
+from aserve.errors import ConfigError, EngineSleepingError, InvalidInputError, RequestTimeoutError
 from aserve.frontend.core_client import EngineAttachment, EngineCoreClient
 from aserve.frontend.input_processor import InputProcessor, PreparedPrompt, PromptType
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
@@ -97,6 +97,9 @@ class AsyncLLM:
         """``kwargs``: ``EngineArgs``' fields; an unknown one is a ``TypeError`` naming the
         closest. Bad directories and settings raise here, in the caller."""
         self.engine_args = EngineArgs.from_kwargs("AsyncLLM", model, kwargs)
+        if self.engine_args.nnodes > 1:
+            raise ConfigError("an engine across machines (nnodes > 1) is served by `aserve run` on each node "
+                              "(docs/parallelism.md)", param="nnodes")
         self._setup(fit_config(self.engine_args.create_engine_config("library")), None)
 
     @classmethod

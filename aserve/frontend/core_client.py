@@ -168,14 +168,14 @@ class EngineCoreClient:
 
     async def _start_or_attach(self, addresses: WireAddresses) -> None:
         assert self.instance is not None
-        slots = self.num_engines * (1 + self.config.parallel.tensor_parallel_size)
+        slots = self.num_engines * (1 + self.config.parallel.world_size)
         if self.attach is not None:
             self._heartbeats = HeartbeatTable(segment_name(self.instance.id), slots, create=False)
             for rank, pid in self.attach.engine_pids.items():
                 self._engines[rank].exit_fd = os.pidfd_open(pid)
             return
         skip_resource_tracker()
-        name = create_heartbeats(self.instance, self.config.parallel.tensor_parallel_size, range(self.num_engines))
+        name = create_heartbeats(self.instance, self.config.parallel.world_size, range(self.num_engines))
         self._heartbeats = HeartbeatTable(name, slots, create=False)
         if self.num_engines > 1:
             self.coordinator_process = spawn_coordinator(self.num_engines, addresses)
@@ -318,13 +318,14 @@ class EngineCoreClient:
     async def _watch_heartbeats(self) -> None:
         """A process that stops ticking for ``heartbeat_timeout`` counts as dead."""
         assert self._heartbeats is not None
-        tp = self.config.parallel.tensor_parallel_size
+        world, tp = self.config.parallel.world_size, self.config.parallel.tensor_parallel_size
         timeout = self.config.health.heartbeat_timeout
         local = self.attach.local_ranks if self.attach is not None else range(self.num_engines)
         slots = {}
         for d in local:  # engines on other machines are watched by their own node
-            slots[engine_slot(d, tp)] = f"engine core {d}"
-            slots |= {worker_slot(d, tp, r): f"worker tp{r} of engine {d}" for r in range(tp)}
+            slots[engine_slot(d, world)] = f"engine core {d}"
+            slots |= {worker_slot(d, world, r): f"worker {'' if world == tp else f'pp{r // tp}_'}tp{r % tp} of engine {d}"
+                      for r in range(world)}
         monitor = HeartbeatMonitor(self._heartbeats, slots, timeout)
         while True:
             await anyio.sleep(HEARTBEAT_INTERVAL)

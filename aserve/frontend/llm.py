@@ -49,11 +49,14 @@ class LLM:
         if self.engine_args.data_parallel_size != 1:
             raise ConfigError("LLM runs one engine: data_parallel_size must be 1 (AsyncLLM and aserve run serve "
                               "several)", param="data_parallel_size")
+        if self.engine_args.nnodes > 1:
+            raise ConfigError("an engine across machines (nnodes > 1) is served by `aserve run` on each node "
+                              "(docs/parallelism.md)", param="nnodes")
         fitted = fit_config(self.engine_args.create_engine_config("library"))
         config = fitted.config
         self.tokenizer = Tokenizer(Path(config.model.model))
         self._instance: Instance | None = None
-        if config.parallel.tensor_parallel_size == 1:
+        if config.parallel.world_size == 1:
             # Imported here: it brings torch and the model into this process, which
             # ``import aserve`` alone (the server's front end) must not.
             from aserve.executor.in_process import InProcessExecutor
@@ -64,7 +67,7 @@ class LLM:
             # object owns their shared memory and IPC files.
             instance = self._instance = Instance.create()
             self._finalizer = weakref.finalize(self, _shutdown, None, instance)
-            heartbeats = create_heartbeats(instance, config.parallel.tensor_parallel_size, range(1))
+            heartbeats = create_heartbeats(instance, config.parallel.world_size, range(1))
 
             def executor_factory(cfg: EngineConfig) -> MultiprocExecutor:
                 return MultiprocExecutor(cfg, instance=instance, heartbeat_name=heartbeats)

@@ -26,6 +26,7 @@ import zmq
 
 from aserve.api import admission
 from aserve.api.server import DEAD_ENGINE_GRACE, ApiServerConfig, run_api_server
+from aserve.config import ParallelConfig
 from aserve.engine.fit import FittedConfig
 from aserve.engine.spawn import create_heartbeats, spawn_coordinator, spawn_engine_cores
 from aserve.frontend.core_client import EngineAttachment
@@ -78,9 +79,9 @@ class FrontEnd:
     async def run(self) -> int:
         cfg, dp = self.cfg, self.dp
         fitted, sock = cfg.fitted, self.sock
-        tp = fitted.config.parallel.tensor_parallel_size
+        world = fitted.config.parallel.world_size
         bound_port = sock.getsockname()[1]
-        heartbeat_name = create_heartbeats(self.instance, tp, range(dp.size))  # removed by Instance.cleanup
+        heartbeat_name = create_heartbeats(self.instance, world, range(dp.size))  # removed by Instance.cleanup
         if self.cfg.limits.admission.enabled:  # the API servers' shared counts, also removed by Instance.cleanup
             segment = admission.segment_name(self.instance.id)
             admission.create_segment(segment, self.api_count)
@@ -94,8 +95,10 @@ class FrontEnd:
                 self.addresses = ipc_addresses(self.instance.dir, self.api_count, coordinator=dp.size > 1)
                 if dp.size > 1:
                     self.coordinator = spawn_coordinator(dp.size, self.addresses)
+                # The secret reaches the engine core for an engine across machines: its
+                # executor's wires to the remote workers (aserve/distributed/remote_workers.py).
                 self.engines = spawn_engine_cores(fitted, self.addresses, local_ranks, instance=self.instance,
-                                                  heartbeat_name=heartbeat_name)
+                                                  heartbeat_name=heartbeat_name, secret=dp.secret)
                 engine_pids = {rank: proc.pid for rank, proc in self.engines.items()}
                 for i in range(self.api_count):
                     attach = EngineAttachment(self.instance, self.addresses, engine_pids, tuple(local_ranks),
@@ -107,7 +110,7 @@ class FrontEnd:
                 handshake_sock = self._bind_handshake(ctx)
                 await self._start_multi_node(spawn, sock, fitted, local_ranks, heartbeat_name)
             sock.close()  # the API servers hold their own copies
-            self._announce(bound_port, tp)
+            self._announce(bound_port, fitted.config.parallel)
 
             outcome = Outcome()
             async with anyio.create_task_group() as tg:
@@ -170,11 +173,12 @@ class FrontEnd:
         host = f"[{self.dp.address}]" if ":" in self.dp.address else self.dp.address
         return open_socket(ctx, zmq.ROUTER, f"tcp://{host}:{self.dp.rpc_port}", bind=True, secret=self.dp.secret)
 
-    def _announce(self, port: int, tp: int) -> None:
+    def _announce(self, port: int, parallel: ParallelConfig) -> None:
         cfg, dp = self.cfg, self.dp
         scheme = "https" if cfg.ssl_certfile else "http"
         print(f"aserve: serving {cfg.served_model_name} at {scheme}://{self.host}:{port}/v1", flush=True)
-        workers = ", ".join(f"aserve::worker_tp{r}" for r in range(tp))
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        workers = ", ".join(f"aserve::worker_{f'pp{r // tp}_' if pp > 1 else ''}tp{r % tp}" for r in parallel.local_ranks)
         engines = ", ".join(f"aserve::engine_core_{d} -> [{workers}]" for d in range(dp.local))
         apis = ", ".join(f"aserve::api_server_{i}" for i in range(self.api_count))
         coordinator = "aserve::coordinator, " if self.coordinator is not None else ""
@@ -239,6 +243,7 @@ class FrontEnd:
                         continue
                     reason = handshake.check_hello(hello, dp_size=dp.size, first_remote_rank=dp.local,
                                                    tp_size=self.cfg.fitted.config.parallel.tensor_parallel_size,
+                                                   pp_size=self.cfg.fitted.config.parallel.pipeline_parallel_size,
                                                    model_name=self.cfg.served_model_name, taken=taken)
                     if reason is not None:
                         logger.warning("refused a headless node: %s", reason)

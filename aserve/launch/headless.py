@@ -43,7 +43,7 @@ class Headless:
 
     async def run(self) -> int:
         dp, fitted = self.dp, self.fitted
-        tp = fitted.config.parallel.tensor_parallel_size
+        tp, pp = fitted.config.parallel.tensor_parallel_size, fitted.config.parallel.pipeline_parallel_size
         ranks = range(dp.start_rank, dp.start_rank + dp.local)
         ctx = zmq.Context()
         host = f"[{dp.address}]" if ":" in dp.address else dp.address
@@ -56,11 +56,11 @@ class Headless:
         monitor = AsyncSocket(dealer.get_monitor_socket(events))
         dealer.connect(front_end)
         try:
-            hello = handshake.NodeHello(dp.size, dp.start_rank, dp.local, tp, self.served_model_name)
+            hello = handshake.NodeHello(dp.size, dp.start_rank, dp.local, tp, self.served_model_name, pp)
             await sock.send_multipart([handshake.HELLO, msgspec.msgpack.encode(hello)])
             with unwrap_errors():
                 addresses = await self._await_welcome(sock, monitor, front_end)
-            heartbeat_name = create_heartbeats(self.instance, tp, ranks)
+            heartbeat_name = create_heartbeats(self.instance, tp * pp, ranks)
             self.engines = spawn_engine_cores(fitted, addresses, ranks, instance=self.instance,
                                               heartbeat_name=heartbeat_name, secret=dp.secret)
             print(f"aserve: headless node: DP ranks {ranks.start}..{ranks.stop - 1} joined {front_end}", flush=True)

@@ -47,6 +47,25 @@ def check_tool_flags(args: argparse.Namespace) -> None:
                           param="tool_call_parser")
 
 
+def _secret(args: argparse.Namespace) -> bytes | None:
+    secret_flag = args.dp_secret if args.dp_secret is not None or args.dp_secret_file else read_env().dp_secret
+    return read_secret(secret_flag, args.dp_secret_file)
+
+
+def prepare_worker_node(engine_args: EngineArgs, args: argparse.Namespace) -> tuple[FittedConfig, bytes]:
+    """A worker-only node of an engine across machines (``--nnodes N --node-rank K
+    --headless``, K > 0): its fitted config and the wires' secret; ConfigError when the
+    flags clash."""
+    if not args.headless:
+        raise ConfigError("a node with --node-rank > 0 runs only workers: add --headless", param="node_rank")
+    secret = _secret(args)
+    if secret is None:
+        raise ConfigError("an engine on several nodes needs a shared secret for its TCP wires: --dp-secret, "
+                          "--dp-secret-file or ASERVE_DP_SECRET", param="dp_secret")
+    config = engine_args.create_engine_config("server", model=resolve_model_path(engine_args.model))
+    return fit_config(config), secret
+
+
 def data_parallel(args: argparse.Namespace) -> DataParallelLaunch:
     """The DataParallelLaunch of ``aserve run``'s DP flags; ConfigError when they clash."""
     size = args.data_parallel_size
@@ -55,6 +74,10 @@ def data_parallel(args: argparse.Namespace) -> DataParallelLaunch:
         raise ConfigError(f"need 1 <= --dp-size-local <= --dp, got {local} and {size}", param="dp_size_local")
     if args.api_server_count is not None and args.api_server_count < 1:
         raise ConfigError("--api-server-count must be >= 1", param="api_server_count")
+    nnodes = getattr(args, "nnodes", 1)
+    if args.headless and nnodes > 1:
+        raise ConfigError("--headless with --nnodes is for the nodes after the head (--node-rank > 0)",
+                          param="node_rank")
     if args.headless:
         if args.dp_size_local is None or args.dp_start_rank < 1 or args.dp_start_rank + local > size:
             raise ConfigError("--headless needs --dp-size-local and a --dp-start-rank in [1, dp - dp_size_local]",
@@ -62,12 +85,11 @@ def data_parallel(args: argparse.Namespace) -> DataParallelLaunch:
     elif args.dp_start_rank != 0:
         raise ConfigError("--dp-start-rank is for --headless nodes; the front end has ranks 0..dp_size_local-1",
                           param="dp_start_rank")
-    secret_flag = args.dp_secret if args.dp_secret is not None or args.dp_secret_file else read_env().dp_secret
-    secret = read_secret(secret_flag, args.dp_secret_file)
+    secret = _secret(args)
     dp = DataParallelLaunch(size=size, size_local=local, start_rank=args.dp_start_rank,
                             api_server_count=args.api_server_count, address=args.dp_address,
                             rpc_port=args.dp_rpc_port or DEFAULT_DP_RPC_PORT, secret=secret, headless=args.headless)
-    if dp.multi_node and secret is None:
+    if (dp.multi_node or nnodes > 1) and secret is None:
         raise ConfigError("a server on several nodes needs a shared secret for its TCP wires: --dp-secret, "
                           "--dp-secret-file or ASERVE_DP_SECRET", param="dp_secret")
     return dp

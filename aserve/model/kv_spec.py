@@ -12,7 +12,9 @@ def local_kv_heads(arch: ArchConfig, tp_size: int) -> int:
     return max(1, arch.num_key_value_heads // tp_size)
 
 
-def bytes_per_block(arch: ArchConfig, *, tp_size: int, dtype: str, block_size: int) -> int:
-    """Bytes one KV block takes on one rank, over all layers (keys and values); ``dtype``
-    is a resolved name (``aserve.model.dtypes.resolve_dtype_name``)."""
-    return 2 * arch.num_hidden_layers * block_size * local_kv_heads(arch, tp_size) * arch.head_dim * ITEMSIZE[dtype]
+def bytes_per_block(arch: ArchConfig, *, tp_size: int, dtype: str, block_size: int, num_layers: int | None = None) -> int:
+    """Bytes one KV block takes on one rank, over its layers (keys and values): all of
+    them, or ``num_layers`` (a pipeline stage's); ``dtype`` is a resolved name
+    (``aserve.model.dtypes.resolve_dtype_name``)."""
+    layers = arch.num_hidden_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * local_kv_heads(arch, tp_size) * arch.head_dim * ITEMSIZE[dtype]

@@ -20,6 +20,7 @@ from aserve.errors import ConfigError, CorruptModelFileError
 from aserve.model.checkpoint import safetensors_files
 from aserve.model.dtypes import resolve_dtype_name
 from aserve.model.hf_config import ArchConfig
+from aserve.model.pipeline import Stage
 from aserve.model.registry import resolve_model_class
 
 
@@ -65,17 +66,19 @@ def count_tensors(files: list[Path]) -> int:
 
 
 def load_model(model_dir: Path, arch: ArchConfig, *, dtype: torch.dtype, max_positions: int, tp: TPGroup,
-               progress: Callable[[int, int], None] | None = None) -> nn.Module:
+               progress: Callable[[int, int], None] | None = None, stage: Stage | None = None) -> nn.Module:
     """Construct the architecture's model for this rank and load its weights.
 
-    ``progress(done, total)`` is called after each tensor, when given.
+    ``progress(done, total)`` is called after each tensor, when given. ``stage``: the
+    pipeline stage this rank holds (default: all of it); tensors of other stages are
+    skipped unread.
 
     Raises ``UnsupportedArchitectureError``, ``ModelFileNotFoundError`` or
     ``CorruptModelFileError`` (a tensor missing, misshapen or unreadable).
     """
     model_class = resolve_model_class(arch.architecture)
     try:
-        model = model_class(arch, max_positions=max_positions, tp=tp, dtype=dtype)
+        model = model_class(arch, max_positions=max_positions, tp=tp, dtype=dtype, stage=stage)
     except ValueError as exc:  # shapes that do not divide over the TP size
         raise ConfigError(str(exc)) from exc
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -93,6 +96,8 @@ def load_model(model_dir: Path, arch: ArchConfig, *, dtype: torch.dtype, max_pos
                 continue
             name, shard_id = model_class.checkpoint_param(name)
             param = params.get(name)
+            if param is None and stage is not None and not stage.holds(name, tied_embeddings=arch.tie_word_embeddings):
+                continue  # another pipeline stage's
             if param is None:
                 raise CorruptModelFileError(f"{source.name} in the checkpoint has no place in {arch.architecture}")
             try:

@@ -38,12 +38,14 @@ def segment_name(instance_id: str) -> str:
     return f"{instance_id}_heartbeat"
 
 
-def engine_slot(dp_rank: int, tp_size: int) -> int:
-    return dp_rank * (1 + tp_size)
+def engine_slot(dp_rank: int, world_size: int) -> int:
+    """An engine core's slot; ``world_size``: the workers of each engine (TP x PP)."""
+    return dp_rank * (1 + world_size)
 
 
-def worker_slot(dp_rank: int, tp_size: int, tp_rank: int) -> int:
-    return dp_rank * (1 + tp_size) + 1 + tp_rank
+def worker_slot(dp_rank: int, world_size: int, rank: int) -> int:
+    """Worker ``rank`` (of ``world_size``) of engine ``dp_rank``'s slot."""
+    return dp_rank * (1 + world_size) + 1 + rank
 
 
 def create_segment(name: str, num_slots: int) -> None:

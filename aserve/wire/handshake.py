@@ -30,16 +30,19 @@ class NodeHello(msgspec.Struct, array_like=True, frozen=True):
     local_size: int
     tensor_parallel_size: int
     model_name: str  # the model directory's name: both nodes must serve the same model
+    pipeline_parallel_size: int = 1
 
 
 def check_hello(hello: NodeHello, *, dp_size: int, first_remote_rank: int, tp_size: int, model_name: str,
-                taken: set[int]) -> str | None:
+                taken: set[int], pp_size: int = 1) -> str | None:
     """Why the front end refuses this node, or None to welcome it."""
     ranks = range(hello.start_rank, hello.start_rank + hello.local_size)
     if hello.data_parallel_size != dp_size:
         return f"the front end serves --dp {dp_size}, the node says --dp {hello.data_parallel_size}"
     if hello.tensor_parallel_size != tp_size:
         return f"the front end uses --tp {tp_size}, the node --tp {hello.tensor_parallel_size}"
+    if hello.pipeline_parallel_size != pp_size:
+        return f"the front end uses --pp {pp_size}, the node --pp {hello.pipeline_parallel_size}"
     if hello.model_name != model_name:
         return f"the front end serves model {model_name!r}, the node {hello.model_name!r}"
     if hello.local_size < 1 or ranks.start < first_remote_rank or ranks.stop > dp_size:

@@ -40,6 +40,9 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # With pipeline stages: the tokens this step computes for the request. Only the last
+    # stage samples, so the stages before it learn the sampled tokens here.
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -29,6 +29,7 @@ from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.kernels.token_mask import TokenMaskKernel
 from aserve.sampling_params import SamplingParams
 from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
+from aserve.distributed.pp_group import PPGroup
 from aserve.worker.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, capture_sizes
 from aserve.worker.decode_staging import DecodeStaging
 from aserve.worker.grammar import GrammarState
@@ -57,13 +58,19 @@ class CachedRequestState:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True,
                  device: torch.device | None = None, grammars: GrammarState | None = None,
-                 token_mask: TokenMaskKernel | None = None, triton_attention: bool = False) -> None:
+                 token_mask: TokenMaskKernel | None = None, triton_attention: bool = False,
+                 pp: PPGroup | None = None) -> None:
         """``device``: where ``model`` is (default: the CPU); ``grammars``: the
         structured-output state of constrained requests (None: none may come);
         ``token_mask``: the C kernel that applies their masks (None: numpy);
         ``triton_attention``: attention and the KV store on the Triton kernels (the GPU
-        path; on CPU tensors, Triton's interpreter), instead of the C kernels and torch."""
+        path; on CPU tensors, Triton's interpreter), instead of the C kernels and torch;
+        ``pp``: this rank's pipeline stage (None: the whole model). A stage before the
+        last sends its hidden states on and gets the sampled tokens back; only the last
+        stage samples (and keeps grammars)."""
         self.triton_attention = triton_attention
+        self.pp = pp if pp is not None and pp.size > 1 else None
+        self.samples = self.pp is None or self.pp.is_last
         self.model = model
         self.grammars = grammars
         self.device = device or torch.device("cpu")
@@ -190,7 +197,7 @@ class ModelRunner:
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, new.stop_token_ids,
             )
-            if new.grammar is not None:
+            if new.grammar is not None and self.samples:
                 if self.grammars is None:
                     raise RuntimeError("a request with a grammar reached a model runner without structured outputs")
                 self.grammars.add(new.req_id, new.grammar, new.grammar_after, new.token_ids[new.num_prompt_tokens:])
@@ -198,6 +205,9 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids:  # pipeline stages: what the last stage sampled, for the others
+                start = cached.num_computed_tokens
+                state.token_ids[start : start + len(cached.new_token_ids)] = cached.new_token_ids
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -297,9 +307,34 @@ class ModelRunner:
         if self.graphs is not None and num_decode == len(scheduled):
             assert decode_table is not None and seq_lens is not None
             hidden = self.graphs.run(input_t, pos_t, slot_mapping, decode_table, seq_lens)  # None: no bucket fits
+        if self.pp is not None:
+            return self._pipeline_step(scheduled, starts, input_t, pos_t, meta)
         if hidden is None:
             hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]
+        return self._sample(scheduled, starts, hidden)
 
+    def _pipeline_step(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int], input_t: torch.Tensor,
+                       pos_t: torch.Tensor, meta: AttentionMetadata) -> RunnerOutput:
+        """This stage's part of the step: the previous stage's hidden states in (after
+        the first), this stage's layers, then the hidden states out (before the last) or
+        the sampling (the last). A stage before the last is done with the step once its
+        send is under way, and takes the next one: it learns the sampled tokens from
+        the steps that schedule them (``new_token_ids``)."""
+        pp = self.pp
+        assert pp is not None
+        intermediate = None
+        if not pp.is_first:
+            intermediate = pp.recv(input_t.shape[0], self.model.cfg.hidden_size, self.model_dtype, self.device)
+        out = self.model(input_t, pos_t, self.kv_caches, meta, intermediate)
+        if pp.is_last:
+            return self._sample(scheduled, starts, out)
+        pp.send(*out)
+        return RunnerOutput([], [], {}, {})  # only the last stage's output rank replies
+
+    def _sample(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int],
+                hidden: torch.Tensor) -> RunnerOutput:
+        """Logits and tokens for the rows that reach the end of their known tokens, and
+        the prompt logprobs asked for."""
         # Rows that reach the end of their known tokens sample the next one.
         sample_rows = [r for r, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == len(s.token_ids)]
         sample_ids = [scheduled[r][0].req_id for r in sample_rows]

@@ -18,6 +18,7 @@ import torch
 from aserve.config import EngineConfig
 from aserve.envs import read_env
 from aserve.errors import ConfigError
+from aserve.distributed.pp_group import PPGroup
 from aserve.distributed.tp_group import TPGroup
 from aserve.model.hf_config import load_arch_config
 from aserve.kernels.amx_linear import load as load_amx_linear
@@ -33,6 +34,7 @@ from aserve.model.loader import load_model, resolve_dtype
 from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
 from aserve.worker.cpu_memory import keep_freed_memory, release_free_memory
 from aserve.model.kv_spec import local_kv_heads
+from aserve.model.pipeline import Stage, stage_layers
 from aserve.worker.cuda_graphs import graph_blockers
 from aserve.worker.grammar import GrammarState
 from aserve.worker.model_runner import ModelRunner
@@ -61,12 +63,15 @@ def triton_chosen(device: torch.device) -> bool:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, tp: TPGroup, *, show_progress: bool = False, dp_rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup, *, show_progress: bool = False, dp_rank: int = 0,
+                 pp: PPGroup | None = None) -> None:
         """``config`` must be fitted (``max_model_len``, ``num_blocks`` and the device
         known). On CUDA the model goes to the current device (a worker process sets it
-        before it joins its TP group; in process it is GPU 0 unless the caller set one)."""
+        before it joins its TP group; in process it is GPU 0 unless the caller set one).
+        ``pp``: this worker's pipeline stage (None: the whole model)."""
         self.config = config
         self.tp = tp
+        self.pp = pp
         on_cpu = config.model.device != "cuda"
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         model_dir = Path(config.model.model)
@@ -81,17 +86,21 @@ class Worker:
         self._profile_dir = Path(".")
         self._asleep_without_weights = False
         self.use_triton = triton_chosen(self.device)
+        stages = stage_layers(arch.num_hidden_layers, config.parallel.pipeline_parallel_size,
+                              config.parallel.pp_layer_partition)
+        rank = 0 if pp is None else pp.stage
+        self.stage = Stage(rank, len(stages), *stages[rank])
         model = self._build_model(show_progress)
         if on_cpu:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,
                                   device=self.device,
                                   grammars=GrammarState(model_dir, arch.vocab_size, arch.eos_token_ids),
-                                  token_mask=load_token_mask(), triton_attention=self.use_triton)
+                                  token_mask=load_token_mask(), triton_attention=self.use_triton, pp=pp)
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(
             config.cache.num_blocks,
-            num_layers=arch.num_hidden_layers,
+            num_layers=self.stage.num_layers,
             num_kv_heads=local_kv_heads(arch, tp.size),
             head_dim=arch.head_dim,
             dtype=self.kv_dtype,
@@ -105,6 +114,10 @@ class Worker:
         it took (counted in start-to-ready)."""
         config, say = self.config, self.tp.rank == 0
         if self.device.type != "cuda" or config.model.enforce_eager:
+            return
+        if self.stage.size > 1:
+            if say:
+                logger.info("decode steps run eagerly: no CUDA graphs with pipeline stages")
             return
         if not self.use_triton:
             if say:
@@ -133,7 +146,7 @@ class Worker:
         say = tp.rank == 0 and at_start  # each choice said once, at start-up
         progress = ProgressBar("aserve: loading weights") if show_progress else None
         model = load_model(self.model_dir, arch, dtype=self.dtype, max_positions=config.max_model_len, tp=tp,
-                           progress=progress)
+                           progress=progress, stage=self.stage)
         if not on_cpu:
             # Loaded into host memory, shard by shard; one copy to the GPU. Tied weights
             # stay tied (Module.to replaces each parameter's data in place).
@@ -226,7 +239,8 @@ class Worker:
             raise RuntimeError("no profile is being recorded (start_profile first)")
         profiler, self._profiler = self._profiler, None
         profiler.stop()
-        path = self._profile_dir / f"worker_dp{self.dp_rank}_tp{self.tp.rank}_{os.getpid()}.json"
+        stage = f"pp{self.stage.rank}_" if self.stage.size > 1 else ""
+        path = self._profile_dir / f"worker_dp{self.dp_rank}_{stage}tp{self.tp.rank}_{os.getpid()}.json"
         profiler.export_chrome_trace(str(path))
         return str(path)
 

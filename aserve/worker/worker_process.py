@@ -1,8 +1,9 @@
-"""A worker process: one rank of one engine's tensor-parallel group (docs/design.md §3, §6).
+"""A worker process: one rank of one engine: a TP rank of one pipeline stage (docs/design.md §3, §6, §16).
 
 Start-up: attach to the engine core's broadcast ring, create this rank's response ring,
-join the TP process group (gloo on CPU; with ``tp_comm="shm"`` it sets up the shared-memory
-collectives and is then released), load this rank's shard and KV cache, then tell
+join the engine's process group (gloo on CPU; with ``tp_comm="shm"`` it sets up the
+shared-memory collectives, and is then released unless pipeline stages still need it
+for their point-to-point traffic), load this rank's shard and KV cache, then tell
 the executor it is ready through the response ring. After that the process only
 dequeues calls from the ring and runs them; every rank runs every call, and only the
 call's ``output_rank`` writes the reply. The worker unlinks its response ring on every
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import msgspec
 import zmq
@@ -38,7 +40,7 @@ logger = logging.getLogger("aserve.worker")
 @dataclass(frozen=True)
 class WorkerProcConfig:
     engine: EngineConfig  # fitted
-    rank: int
+    rank: int  # in the engine: stage rank // tp_size, TP rank rank % tp_size
     tp_size: int
     dp_rank: int
     dp_size: int
@@ -51,10 +53,43 @@ class WorkerProcConfig:
     max_chunks: int
     max_chunk_bytes: int
     heartbeat_name: str | None = None
+    pp_size: int = 1
+    # An engine across nodes (aserve.distributed.remote_workers): this node's first rank
+    # (its ring reader index is rank - first_local_rank), the rendezvous (tcp://, else
+    # the dist_init_file), and for a worker on a node without the engine core, the
+    # head's call and reply addresses and the CURVE secret instead of the rings.
+    first_local_rank: int = 0
+    local_count: int | None = None
+    rendezvous: str | None = None
+    remote_calls: str | None = None
+    remote_replies: str | None = None
+    secret: bytes | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Workers of this engine."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def ring_readers(self) -> int:
+        """Workers of this engine on this node: the broadcast ring's readers."""
+        return self.world_size if self.local_count is None else self.local_count
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
 
 
 def worker_title(cfg: WorkerProcConfig) -> str:
-    return f"aserve::worker_dp{cfg.dp_rank}_tp{cfg.rank}" if cfg.dp_size > 1 else f"aserve::worker_tp{cfg.rank}"
+    """``aserve::worker_tp1``; ``aserve::worker_dp1_tp0`` with data parallelism;
+    ``aserve::worker_pp1_tp0`` (``..._dp0_pp1_tp0``) with pipeline stages."""
+    dp = f"dp{cfg.dp_rank}_" if cfg.dp_size > 1 else ""
+    pp = f"pp{cfg.pp_rank}_" if cfg.pp_size > 1 else ""
+    return f"aserve::worker_{dp}{pp}tp{cfg.tp_rank}"
 
 
 def run_worker(cfg: WorkerProcConfig) -> None:
@@ -73,14 +108,24 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     code = 0
     table = heartbeat = None
     if cfg.heartbeat_name is not None:
-        table = HeartbeatTable(cfg.heartbeat_name, worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank) + 1, create=False)
+        table = HeartbeatTable(cfg.heartbeat_name, worker_slot(cfg.dp_rank, cfg.world_size, cfg.rank) + 1, create=False)
         # From before the model loads: a slow load still ticks, a stopped process does not.
-        heartbeat = Heartbeat(table, worker_slot(cfg.dp_rank, cfg.tp_size, cfg.rank)).__enter__()
+        heartbeat = Heartbeat(table, worker_slot(cfg.dp_rank, cfg.world_size, cfg.rank)).__enter__()
     try:
-        broadcast = ShmRingReader(cfg.broadcast_name, cfg.rank, cfg.tp_size, side_channel_address=cfg.broadcast_side,
-                                  zmq_context=ctx, max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
-        response = ShmRingWriter(cfg.response_name, 1, side_channel_address=cfg.response_side, zmq_context=ctx,
-                                 max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes, wake_every_write=True)
+        if cfg.remote_calls is not None:
+            assert cfg.remote_replies is not None
+            from aserve.distributed.remote_workers import CallSubscriber, ReplyPusher
+
+            broadcast = CallSubscriber(ctx, cfg.remote_calls, cfg.secret)
+            response = ReplyPusher(ctx, cfg.remote_replies, cfg.rank, cfg.secret)
+            broadcast.wait_connected(cfg.engine.health.startup_timeout)
+        else:
+            broadcast = ShmRingReader(cfg.broadcast_name, cfg.rank - cfg.first_local_rank, cfg.ring_readers,
+                                      side_channel_address=cfg.broadcast_side, zmq_context=ctx,
+                                      max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes)
+            response = ShmRingWriter(cfg.response_name, 1, side_channel_address=cfg.response_side, zmq_context=ctx,
+                                     max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes,
+                                     wake_every_write=True)
         _serve(cfg, broadcast, response)
     except KeyboardInterrupt:
         pass
@@ -120,11 +165,15 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
                                     torch.cuda.device_count())
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
-    tp = TPGroup.single()
-    if cfg.tp_size > 1:
+    if cfg.rendezvous is not None:
+        logger.info("rank %d: joining the engine's process group at %s", cfg.rank, cfg.rendezvous)
+    tp, pp = TPGroup.single(), None
+    if cfg.pp_size > 1:
+        tp, pp = _join_stage_groups(cfg, device)
+    elif cfg.tp_size > 1:
         tp = _join_tp_group(cfg, device)
     try:
-        worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0, dp_rank=cfg.dp_rank)
+        worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0, dp_rank=cfg.dp_rank, pp=pp)
         _serve_calls(cfg, worker, broadcast, response)
     finally:
         if tp.comm is not None:
@@ -144,7 +193,8 @@ def _join_tp_group(cfg: WorkerProcConfig, device):  # -> TPGroup (torch is impor
     from aserve.distributed.tp_group import TPGroup
 
     tp_comm = cfg.engine.parallel.tp_comm
-    init = dict(init_method=f"file://{cfg.dist_init_file}", rank=cfg.rank, world_size=cfg.tp_size)
+    init = dict(init_method=cfg.rendezvous or f"file://{cfg.dist_init_file}", rank=cfg.rank, world_size=cfg.tp_size,
+                timeout=timedelta(seconds=cfg.engine.health.startup_timeout))
     if tp_comm == "nccl":
         # device_id binds the communicator to this GPU at once (no lazy init on the
         # first collective, which would then also pay NCCL's set-up inside a step).
@@ -164,6 +214,44 @@ def _join_tp_group(cfg: WorkerProcConfig, device):  # -> TPGroup (torch is impor
     comm = ShmCommunicator(lib, cfg.tp_shm_name, cfg.rank, cfg.tp_size, barrier=dist.barrier)
     dist.destroy_process_group()
     return TPGroup(cfg.rank, cfg.tp_size, comm=comm)
+
+
+def _join_stage_groups(cfg: WorkerProcConfig, device):  # -> (TPGroup, PPGroup)
+    """The engine's process group of every worker, kept for the stages' point-to-point
+    traffic (gloo on CPU, NCCL on CUDA), and this stage's TP group inside it: a
+    subgroup, or on CPU the shared-memory collectives (a segment per stage), set up
+    over it."""
+    import torch
+    import torch.distributed as dist
+
+    from aserve.distributed.pp_group import PPGroup
+    from aserve.distributed.shm_comm import ShmCommunicator, load_collectives
+    from aserve.distributed.tp_group import TPGroup
+
+    tp_comm = cfg.engine.parallel.tp_comm
+    init = dict(init_method=cfg.rendezvous or f"file://{cfg.dist_init_file}", rank=cfg.rank,
+                world_size=cfg.world_size, timeout=timedelta(seconds=cfg.engine.health.startup_timeout))
+    if tp_comm == "nccl":
+        dist.init_process_group("nccl", device_id=device, **init)
+    else:
+        dist.init_process_group("gloo", **init)
+    pp = PPGroup(cfg.pp_rank, cfg.pp_size, cfg.tp_rank, cfg.tp_size, dist.group.WORLD)
+    # Every rank creates every stage's subgroup, in the same order (new_group's rule).
+    stage_groups = [dist.new_group(list(range(s * cfg.tp_size, (s + 1) * cfg.tp_size)))
+                    for s in range(cfg.pp_size)]
+    group = stage_groups[cfg.pp_rank]
+    if cfg.tp_size == 1:
+        return TPGroup.single(), pp
+    if tp_comm == "shm":
+        lib = load_collectives(read_env().cache_dir / "kernels")
+        built = torch.tensor([int(lib is not None)])  # every rank makes the same choice
+        dist.all_reduce(built, op=dist.ReduceOp.MIN)
+        if built.item():
+            comm = ShmCommunicator(lib, f"{cfg.tp_shm_name}_pp{cfg.pp_rank}", cfg.tp_rank, cfg.tp_size,
+                                   barrier=lambda: dist.barrier(group=group))
+            return TPGroup(cfg.tp_rank, cfg.tp_size, comm=comm), pp
+        logger.warning("shared-memory collectives unavailable: tensor parallelism uses gloo")
+    return TPGroup(cfg.tp_rank, cfg.tp_size, group), pp
 
 
 def _serve_calls(cfg: WorkerProcConfig, worker, broadcast: ShmRingReader, response: ShmRingWriter) -> None:

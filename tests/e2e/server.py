@@ -17,11 +17,12 @@ import httpx
 
 class Server:
     def __init__(self, model: Path | None, *extra: str, env: dict[str, str] | None = None, verify: Any = True,
-                 wait: bool = True) -> None:
-        """``model`` None: ``aserve run`` with no model (the default one)."""
+                 wait: bool = True, launcher: tuple[str, ...] = ()) -> None:
+        """``model`` None: ``aserve run`` with no model (the default one); ``launcher``:
+        words before the command (``private_shm.sh DIR``: a node with its own /dev/shm)."""
         self.verify = verify
         self.model_path = None if model is None else Path(model)
-        cmd = [sys.executable, "-m", "aserve", "run", *([] if model is None else [str(model)]), "--port", "0",
+        cmd = [*launcher, sys.executable, "-m", "aserve", "run", *([] if model is None else [str(model)]), "--port", "0",
                "--kv-cache-memory", str(1 << 24), "--max-model-len", "256", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})

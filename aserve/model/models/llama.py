@@ -41,6 +41,7 @@ from aserve.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, 
 from aserve.model.layers.moe import MoEMLP, activation, expert_param
 from aserve.model.layers.norm import RMSNorm, ShardedRMSNorm
 from aserve.model.layers.rotary import RotaryEmbedding
+from aserve.model.pipeline import Stage
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
 
 
+class MissingLayer(nn.Module):
+    """The place of a layer another pipeline stage holds: no parameters, never called."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a layer of another pipeline stage was called")
+
+
 def _stack_weight(lin: ColumnParallelLinear | RowParallelLinear,
                   kernel: LlamaDecodeKernel) -> tuple[torch.Tensor, int, int] | None:
     """``(weight, output width, output features)`` of ``lin`` as ``kernel`` takes it, or
@@ -216,9 +224,14 @@ class LlamaModel(nn.Module):
     decode_stack: DecodeStack | None = None
 
     def __init__(self, cfg: ArchConfig, opts: DecoderOptions, max_positions: int, *, tp: TPGroup,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, stage: Stage | None = None) -> None:
+        """``stage``: the pipeline stage this rank computes (default: the whole model);
+        layers of other stages are placeholders, the embedding is built on the first
+        stage (and on the last when the head is tied to it), the final norm on the last."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
+        self.stage = stage = stage or Stage.whole(cfg.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
+                             if stage.is_first or (stage.is_last and cfg.tie_word_embeddings) else None)
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_positions, dtype=dtype,
                                  rotary_dim=rotary_dim)
@@ -235,8 +248,10 @@ class LlamaModel(nn.Module):
         rotaries = (rotary, self.local_rotary)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, opts, None if r is None else rotaries[r], i, tp=tp, dtype=dtype)
+            if stage.holds_layer(i) else MissingLayer()
             for i, r in enumerate(self.rope_of_layer))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=opts.norm_offset)
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=opts.norm_offset)
+                     if stage.is_last else None)
         self.embed_scale: float | None = None
         if opts.embed_scale_sqrt_hidden:
             # Rounded to the model dtype as Hugging Face does (sqrt(3072) is 55.5 in bf16).
@@ -249,6 +264,8 @@ class LlamaModel(nn.Module):
         option of :class:`DecoderOptions` and of the config it does not compute."""
         layers = list(self.layers)
         reasons = []
+        if self.stage.size > 1:
+            return ["pipeline stages"]
         if any(layer.layout != "pre" for layer in layers):
             reasons.append(f"{layers[0].layout} norms")
         if any(layer.self_attn.window is not None for layer in layers):
@@ -320,22 +337,36 @@ class LlamaModel(nn.Module):
         ), all_reduce=tp.all_reduce if tp.size > 1 else None)
         return True
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states ([T, hidden], after the norm) on the last stage; on
+        the others ``(x, residual)`` for the next stage. A stage after the first starts
+        from the previous stage's ``intermediate`` instead of the embedding.
+        ``kv_caches`` are this stage's layers' own, in order."""
+        stage = self.stage
         rope = self.rotary.gather(positions)  # once for all layers
-        if self.decode_stack is not None and not meta.prefills and meta.decode_kernel is not None:
-            # Decode rows only: every layer in one C call, bit-identical to the loop below.
-            # The runner gives the C attention kernel its table and lengths.
-            assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
-            x, residual = self.decode_stack.run(x, rope[0], rope[1], [kv.paged for kv in kv_caches],
-                                                meta.decode_block_table, meta.decode_seq_lens)
-            return self.norm(x, residual)[0]
+        if stage.is_first:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+            residual = None
+            if self.decode_stack is not None and not meta.prefills and meta.decode_kernel is not None:
+                # Decode rows only: every layer in one C call, bit-identical to the loop below.
+                # The runner gives the C attention kernel its table and lengths.
+                assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+                x, residual = self.decode_stack.run(x, rope[0], rope[1], [kv.paged for kv in kv_caches],
+                                                    meta.decode_block_table, meta.decode_seq_lens)
+                return self.norm(x, residual)[0]
+        else:
+            assert intermediate is not None
+            x, residual = intermediate
         ropes = (rope, None if self.local_rotary is None else self.local_rotary.gather(positions))
-        residual = None
-        for layer, r, kv_cache in zip(self.layers, self.rope_of_layer, kv_caches):
-            x, residual = layer(None if r is None else ropes[r], x, residual, kv_cache, meta)
+        for i, kv_cache in zip(range(stage.start, stage.end), kv_caches):
+            r = self.rope_of_layer[i]
+            x, residual = self.layers[i](None if r is None else ropes[r], x, residual, kv_cache, meta)
+        if not stage.is_last:
+            assert residual is not None  # a stage holds at least one layer
+            return x, residual
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]
@@ -357,12 +388,16 @@ class LlamaForCausalLM(nn.Module):
     #: Checkpoint name fragments renamed before anything else (Mixtral's MoE block).
     renamed_params: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, cfg: ArchConfig, *, max_positions: int, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, *, max_positions: int, tp: TPGroup, dtype: torch.dtype,
+                 stage: Stage | None = None) -> None:
+        """``stage``: the pipeline stage built (default: the whole model; see LlamaModel)."""
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, self.options, max_positions, tp=tp, dtype=dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
-        if cfg.tie_word_embeddings:
+        self.model = LlamaModel(cfg, self.options, max_positions, tp=tp, dtype=dtype, stage=stage)
+        self.stage = self.model.stage
+        self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
+                        if self.stage.is_last else None)
+        if cfg.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
@@ -380,10 +415,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_local_kv_heads(self) -> int:
-        return self.model.layers[0].self_attn.num_kv_heads
+        return self.model.layers[self.stage.start].self_attn.num_kv_heads
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

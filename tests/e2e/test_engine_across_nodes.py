@@ -1,0 +1,221 @@
+"""One engine across two "nodes" on this machine: ``aserve run --tp 2 --nnodes 2`` on the
+head and ``--node-rank 1 --headless`` on the other, each its own process tree with a
+private /dev/shm (a mount namespace, ``private_shm.sh``), a TP rank on each, joined
+over the real TCP paths: torch.distributed's TCPStore and gloo, and the engine core's
+CURVE-authenticated ZeroMQ calls and replies.
+
+Checked: the tokens of the offline ``LLM``; ``kill -9`` of the remote worker and of the
+head with streams in flight (every stream ends, no process, segment or instance
+directory left on either side); a node with the wrong secret refused; a node waiting in
+the rendezvous exits when the head goes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from aserve import LLM, SamplingParams
+from tests.e2e.server import Server, alive, aserve_dirs, process_tree
+from tests.e2e.test_faults import _stream
+
+PRIVATE_SHM = str(Path(__file__).with_name("private_shm.sh"))
+SECRET = "a-test-secret-of-the-nodes"
+
+
+def _can_unshare() -> bool:
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not _can_unshare(), reason="needs unshare -m (CAP_SYS_ADMIN) for a private /dev/shm")
+
+
+def _free_ports() -> int:
+    """A port P with P, P + 1 and P + 2 free (the rendezvous, the calls, the replies)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base > 65000:
+            continue
+        try:
+            socks = [socket.socket() for _ in range(3)]
+            for i, sock in enumerate(socks):
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no three consecutive free ports")
+
+
+def _node(model: Path, shm: Path, port: int, *, secret: str = SECRET, nnodes: int = 2, rank: int = 1,
+          split: tuple[str, ...] = ("--tp", "2")) -> subprocess.Popen:
+    cmd = [PRIVATE_SHM, str(shm), sys.executable, "-m", "aserve", "run", str(model), *split,
+           "--nnodes", str(nnodes), "--node-rank", str(rank), "--headless", "--master-port", str(port),
+           "--dp-secret", secret, "--kv-cache-memory", str(1 << 24), "--max-model-len", "256"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _head(model: Path, shm: Path, port: int, *, nnodes: int = 2, split: tuple[str, ...] = ("--tp", "2")) -> Server:
+    return Server(model, *split, "--nnodes", str(nnodes), "--node-rank", "0", "--master-port",
+                  str(port), "--dp-secret", SECRET, launcher=(PRIVATE_SHM, str(shm)), wait=False)
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("victim", ["remote-worker", "head"])
+def test_two_nodes_serve_one_engine_and_fall_together(llama_dir, tmp_path, victim):
+    want = LLM(str(llama_dir), kv_cache_memory=1 << 22).generate(
+        ["Hello there"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+    head_shm, node_shm = tmp_path / "head-shm", tmp_path / "node-shm"
+    head_shm.mkdir()
+    node_shm.mkdir()
+    dirs_before = aserve_dirs()
+    port = _free_ports()
+    head = _head(llama_dir, head_shm, port)
+    node = _node(llama_dir, node_shm, port)
+    pids: list[int] = []
+    try:
+        head.wait_ready()
+        head_pids = head.pids()
+        node_pids = [node.pid, *process_tree(node.pid)]
+        pids = head_pids + node_pids
+        titles = sorted(Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in node_pids)
+        assert titles == ["aserve::supervisor", "aserve::worker_tp1"]  # the node: its supervisor and rank 1
+        assert "aserve::worker_tp1" not in [t for _, t in head.title_list()]
+        assert list(node_shm.iterdir()) == [] or all(p.name.startswith("aserve_") for p in node_shm.iterdir())
+
+        body = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(head.base_url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want
+
+        outcomes = [{} for _ in range(2)]
+        started = [threading.Event() for _ in range(2)]
+        readers = [threading.Thread(target=_stream, args=(head.base_url, 0, outcomes[i], started[i]))
+                   for i in range(2)]
+        for reader in readers:
+            reader.start()
+        assert all(s.wait(60) for s in started) and not any(outcomes), outcomes
+        if victim == "remote-worker":
+            target = next(p for p in node_pids
+                          if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"aserve::worker_tp1"))
+        else:
+            target = head.proc.pid  # the head's supervisor
+        os.kill(target, signal.SIGKILL)
+        for reader in readers:
+            reader.join(45)
+        assert not any(r.is_alive() for r in readers), "a stream hung"
+        assert all("end" in o for o in outcomes)
+        assert node.wait(60) != 0  # the node goes too, either way
+        if victim != "head":
+            assert head.proc.wait(60) != 0
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        _kill_all(pids)
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+        node.stdout.close()
+        head.stop(signal.SIGKILL)
+    assert list(head_shm.iterdir()) == [] and list(node_shm.iterdir()) == []
+    assert aserve_dirs() <= dirs_before
+
+
+def test_a_pipeline_stage_per_node_answers_from_the_remote_output_rank(model_dirs, tmp_path):
+    """``--pp 2`` over two nodes, as docker/k8s/lws.yaml runs it: the last stage, and so
+    the output rank that samples and replies, is on the node without the engine core."""
+    model = model_dirs["gemma2"]
+    want = LLM(str(model), kv_cache_memory=1 << 22).generate(
+        ["Hello there", "Once upon a time"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    shm = [tmp_path / f"shm{i}" for i in range(2)]
+    for d in shm:
+        d.mkdir()
+    port = _free_ports()
+    head = _head(model, shm[0], port, split=("--pp", "2"))
+    node = _node(model, shm[1], port, split=("--pp", "2"))
+    try:
+        head.wait_ready()
+        for prompt, expected in zip(["Hello there", "Once upon a time"], want):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            reply = httpx.post(head.base_url + "/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected.outputs[0].text
+        assert head.stop(signal.SIGTERM) == 0  # a clean stop of the head ...
+        assert node.wait(60) != 0  # ... takes the node with it
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+        node.stdout.close()
+        head.stop(signal.SIGKILL)
+    assert list(shm[0].iterdir()) == [] and list(shm[1].iterdir()) == []
+
+
+def test_a_node_with_the_wrong_secret_is_refused(llama_dir, tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    head_shm = tmp_path / "head-shm"
+    head_shm.mkdir()
+    port = _free_ports()
+    head = _head(llama_dir, head_shm, port)
+    try:
+        node = _node(llama_dir, shm, port, secret="not-the-secret-of-the-head")
+        out, _ = node.communicate(timeout=60)
+        assert node.returncode != 0
+        assert "secret" in out
+        assert list(shm.iterdir()) == []
+        # The head never got its second rank: it is not ready.
+        assert httpx.get(head.base_url + "/ready", timeout=5).status_code == 503
+    finally:
+        head.stop(signal.SIGTERM)
+
+
+def test_a_node_waiting_in_the_rendezvous_exits_when_the_head_goes(model_dirs, tmp_path):
+    """Three nodes of one pipeline stage each (Gemma 2's three layers), of which only two
+    start: the rendezvous cannot complete. When the head is killed, the waiting node exits within seconds, not at
+    its start-up timeout (vLLM's headless nodes hang on here)."""
+    port = _free_ports()
+    shm = [tmp_path / f"shm{i}" for i in range(2)]
+    for d in shm:
+        d.mkdir()
+    model, split = model_dirs["gemma2"], ("--pp", "3")
+    head = _head(model, shm[0], port, nnodes=3, split=split)
+    node = _node(model, shm[1], port, nnodes=3, rank=1, split=split)
+    try:
+        for line in node.stdout:  # the node's worker says when it enters the rendezvous
+            if "joining the engine's process group" in line:
+                break
+        assert node.poll() is None
+        pids = head.pids()
+        os.kill(head.proc.pid, signal.SIGKILL)
+        started = time.monotonic()
+        assert node.wait(30) != 0
+        assert time.monotonic() - started < 15  # seen at once; a worker stuck in the rendezvous is killed after 5 s
+        _kill_all([p for p in pids if alive(p)])
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+        node.stdout.close()
+        head.stop(signal.SIGKILL)
+    assert list(shm[1].iterdir()) == []

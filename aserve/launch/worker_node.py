@@ -13,7 +13,8 @@ two things, sleeping between events (a socket event or a second's tick to look a
 workers): the head, through a connection of its own to the head's publisher, and its
 workers. When the head goes (the connection, once made, drops) it stops the workers:
 SIGTERM, then SIGKILL for one stuck in a rendezvous that no longer has a head, which is
-how vLLM's headless nodes hang (vLLM #32136). When a worker dies it stops the others and
+how vLLM's headless nodes hang (vLLM #32136). It exits 0 when the head stopped the
+engine cleanly (every worker was told to shut down and exited 0), non-zero otherwise. When a worker dies it stops the others and
 exits non-zero; the head sees the workers' connections drop and takes its engine down.
 A secret that differs from the head's fails the CURVE handshake: the node says so and
 exits. Nothing is left behind: the node's instance (its TP segments, its IPC directory)
@@ -68,6 +69,7 @@ def run_worker_node(fitted: FittedConfig, secret: bytes | None, log_level: str =
     # to nothing (no call is queued here), watched for the handshake and for its drop.
     head = CallSubscriber(ctx, calls, secret, subscribe=False)
     code = 1
+    head_gone = False
     try:
         head.wait_connected(config.health.startup_timeout)
         for rank in parallel.local_ranks:
@@ -90,7 +92,8 @@ def run_worker_node(fitted: FittedConfig, secret: bytes | None, log_level: str =
             try:
                 head.wait_event(1.0)
             except HeadLostError as exc:
-                logger.error("%s: stopping this node's workers", exc)
+                logger.info("%s: stopping this node's workers", exc)
+                head_gone = True
                 break
             dead = [p for p in workers if p.exitcode is not None]
             if dead:
@@ -105,9 +108,13 @@ def run_worker_node(fitted: FittedConfig, secret: bytes | None, log_level: str =
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # A worker blocked in a rendezvous with no head cannot act on SIGTERM: it is
-        # killed after the grace period.
-        stop_processes(workers, grace=5)
+        # When the head went, its workers may be exiting on their own (a clean stop
+        # sends them "shutdown"): they get a few seconds first. A worker blocked in a
+        # rendezvous with no head cannot act on SIGTERM: it is killed after the grace.
+        stop_processes(workers, grace=5, asked_first=5 if head_gone else 0)
+        if head_gone and workers and all(p.exitcode == 0 for p in workers):
+            print(f"aserve: node {parallel.node_rank}: the head stopped the engine", flush=True)
+            code = 0  # a clean stop of the whole engine, not a failure of this node
         head.close()
         ctx.term()
         instance.cleanup()

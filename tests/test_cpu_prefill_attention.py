@@ -49,6 +49,7 @@ def sdpa(q, k, v, scale):
     ([40, 9], 8, 1, 32),              # eight query heads on one KV head
     ([57], 8, 2, 128),
     ([300], 2, 2, 256),
+    ([600, 257], 4, 2, 64),           # several 256-key steps of the online softmax
 ])
 def test_matches_the_exact_result_as_closely_as_sdpa(attend, set_threads, threads, lens, hq, hk, d):
     set_threads(threads)

@@ -72,3 +72,21 @@ def test_run_refuses_a_prefix_cache_reserve_outside_0_to_1(llama_dir, tmp_path):
     proc = run_cli("run", str(llama_dir), "--port", "0", "--prefix-cache-reserve", "1.5", cache_dir=tmp_path)
     assert proc.returncode == 2
     assert "prefix_cache_reserve must be in [0, 1], got 1.5" in proc.stderr
+
+
+def test_run_checks_the_flags_of_an_engine_across_nodes(llama_dir, tmp_path):
+    """Before any process starts: a head without the wires' secret, a worker node without
+    --headless, and --headless on the head are each refused, naming the flag."""
+    env_free = {k: v for k, v in os.environ.items() if k != "ASERVE_DP_SECRET"}
+    cases = [
+        (["--tp", "2", "--nnodes", "2"], "shared secret"),
+        (["--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dp-secret", "x" * 20], "add --headless"),
+        (["--tp", "2", "--nnodes", "2", "--headless", "--dp-secret", "x" * 20], "--node-rank > 0"),
+        (["--tp", "3", "--nnodes", "2", "--dp-secret", "x" * 20], "split evenly"),
+    ]
+    for extra, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "aserve", "run", str(llama_dir), "--port", "0", *extra],
+                              capture_output=True, text=True, timeout=120,
+                              env={**env_free, "ASERVE_CACHE_DIR": str(tmp_path)})
+        assert proc.returncode == 2, (extra, proc.stderr)
+        assert message in proc.stderr, (extra, proc.stderr)

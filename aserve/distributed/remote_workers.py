@@ -78,7 +78,6 @@ class RemoteWorkers:
         self._pull.bind(reply_address("*", master_port))
         self._pending: dict[int, collections.deque[bytes]] = {rank: collections.deque() for rank in ranks}
         self._joined = 0  # reply connections that completed their handshake
-        self._refused = 0
 
     def publish(self, payload: bytes) -> None:
         self._pub.send(payload)
@@ -90,8 +89,8 @@ class RemoteWorkers:
                 self._joined += 1
             elif event == zmq.EVENT_DISCONNECTED and self._joined:
                 raise EngineDeadError("a worker on another node disconnected (its process or its node died)")
-            elif event != zmq.EVENT_DISCONNECTED:
-                self._refused += 1  # a peer that failed the CURVE handshake: it gets nothing
+            # Otherwise a peer that failed the CURVE handshake (it gets nothing), or a drop
+            # before any worker joined: neither is a failure of this engine.
 
     def read(self, rank: int, timeout: float) -> bytes:
         """The next reply of remote worker ``rank``; TimeoutError after ``timeout`` s."""
@@ -138,7 +137,7 @@ class CallSubscriber:
                 self._connected = True
             elif event == zmq.EVENT_DISCONNECTED and self._connected:
                 raise HeadLostError("the head node went away")
-            elif event not in (zmq.EVENT_DISCONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            elif event != zmq.EVENT_DISCONNECTED:  # one of the handshake failures
                 raise HeadLostError("the head node refused this node's CURVE handshake: the secret differs")
 
     def wait_connected(self, timeout: float) -> None:

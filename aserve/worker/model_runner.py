@@ -4,7 +4,9 @@ attention metadata, the forward pass, logits, and sampling.
 The runner keeps every scheduled request's tokens and block table between steps, so a
 ``SchedulerOutput`` carries only what changed. It appends the tokens it samples itself;
 every tensor-parallel rank samples the same tokens, so the ranks stay in agreement
-without being told the results.
+without being told the results. With pipeline stages only the last stage samples; the
+stages before it take each request's tokens from the step that schedules it
+(``CachedRequestData.new_token_ids``).
 
 On CUDA the step's inputs are built on the host as on CPU and copied over once; the KV
 pool is device memory, attention runs the Triton kernels (or, without triton, SDPA over

@@ -73,6 +73,15 @@ def _head(model: Path, shm: Path, port: int, *, nnodes: int = 2, split: tuple[st
                   str(port), "--dp-secret", SECRET, launcher=(PRIVATE_SHM, str(shm)), wait=False)
 
 
+def _stop_both(node: subprocess.Popen, head: Server) -> None:
+    """Whatever a test left running of the two trees, stopped and reaped."""
+    if node.poll() is None:
+        node.kill()
+    node.wait()
+    node.stdout.close()
+    head.stop(signal.SIGKILL)
+
+
 def _kill_all(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -137,11 +146,7 @@ def test_two_nodes_serve_one_engine_and_fall_together(llama_dir, tmp_path, victi
         assert [p for p in pids if alive(p)] == []
     finally:
         _kill_all(pids)
-        if node.poll() is None:
-            node.kill()
-        node.wait()
-        node.stdout.close()
-        head.stop(signal.SIGKILL)
+        _stop_both(node, head)
     assert list(head_shm.iterdir()) == [] and list(node_shm.iterdir()) == []
     assert aserve_dirs() <= dirs_before
 
@@ -168,11 +173,7 @@ def test_a_pipeline_stage_per_node_answers_from_the_remote_output_rank(model_dir
         assert node.wait(60) == 0  # ... stops the node cleanly too
         assert "the head stopped the engine" in node.stdout.read()
     finally:
-        if node.poll() is None:
-            node.kill()
-        node.wait()
-        node.stdout.close()
-        head.stop(signal.SIGKILL)
+        _stop_both(node, head)
     assert list(shm[0].iterdir()) == [] and list(shm[1].iterdir()) == []
 
 
@@ -197,8 +198,9 @@ def test_a_node_with_the_wrong_secret_is_refused(llama_dir, tmp_path):
 
 def test_a_node_waiting_in_the_rendezvous_exits_when_the_head_goes(model_dirs, tmp_path):
     """Three nodes of one pipeline stage each (Gemma 2's three layers), of which only two
-    start: the rendezvous cannot complete. When the head is killed, the waiting node exits within seconds, not at
-    its start-up timeout (vLLM's headless nodes hang on here)."""
+    start: the rendezvous cannot complete. When the head is killed, the waiting node
+    exits within seconds, not at its start-up timeout (vLLM's headless nodes hang on
+    here)."""
     port = _free_ports()
     shm = [tmp_path / f"shm{i}" for i in range(2)]
     for d in shm:
@@ -218,9 +220,5 @@ def test_a_node_waiting_in_the_rendezvous_exits_when_the_head_goes(model_dirs, t
         assert time.monotonic() - started < 15  # seen at once; a worker stuck in the rendezvous is killed after 5 s
         _kill_all([p for p in pids if alive(p)])
     finally:
-        if node.poll() is None:
-            node.kill()
-        node.wait()
-        node.stdout.close()
-        head.stop(signal.SIGKILL)
+        _stop_both(node, head)
     assert list(shm[1].iterdir()) == []

@@ -7,7 +7,10 @@ variable                     meaning                                            
 ``ASERVE_LOG_LEVEL``         log level of aserve's loggers                        ``INFO``
 ``ASERVE_CPU_ATTENTION``     ``sdpa``: no C attention kernels (decode, prefill)   ``kernel``
 ``ASERVE_CPU_FUSED_OPS``     ``0``: no C RMSNorm / SiLU / rotary / token-mask     ``1``
-``ASERVE_CPU_AMX``           ``0``: bf16 linear layers on oneDNN, not AMX tiles   ``1``
+``ASERVE_CPU_AMX``           ``0``: no AMX kernels (bf16 linear layers then take  ``1``
+                             the AVX512-BF16 kernel where the CPU has it)
+``ASERVE_CPU_BF16_LINEAR``   ``0``: no AVX512-BF16 linear kernel (oneDNN)         ``1``
+``ASERVE_CPU_F32_LINEAR``    ``0``: float32 linear layers on oneDNN and MKL       ``1``
 ``ASERVE_CPU_FUSED_DECODE``  ``0``: decode steps call each layer's kernels apart  ``1``
 ``ASERVE_DP_SECRET``         shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
 ``ASERVE_TRITON``            ``auto``: the Triton kernels on a GPU; ``1``: also   ``auto``
@@ -34,6 +37,7 @@ class Env:
     cpu_attention: str = "kernel"
     cpu_fused_ops: bool = True
     cpu_amx: bool = True
+    cpu_bf16_linear: bool = True
     cpu_fused_decode: bool = True
     cpu_f32_linear: bool = True
     triton: str = "auto"  # auto | on | off
@@ -49,6 +53,7 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         cpu_attention=environ.get("ASERVE_CPU_ATTENTION", "kernel").lower(),
         cpu_fused_ops=environ.get("ASERVE_CPU_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off"),
         cpu_amx=environ.get("ASERVE_CPU_AMX", "1").lower() not in ("0", "false", "no", "off"),
+        cpu_bf16_linear=environ.get("ASERVE_CPU_BF16_LINEAR", "1").lower() not in ("0", "false", "no", "off"),
         cpu_fused_decode=environ.get("ASERVE_CPU_FUSED_DECODE", "1").lower() not in ("0", "false", "no", "off"),
         cpu_f32_linear=environ.get("ASERVE_CPU_F32_LINEAR", "1").lower() not in ("0", "false", "no", "off"),
         triton={"0": "off", "false": "off", "no": "off", "off": "off", "1": "on", "true": "on", "yes": "on",

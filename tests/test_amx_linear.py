@@ -1,24 +1,31 @@
-"""The AMX bf16 linear kernel against float32 matmuls, and its place in the model."""
+"""The bf16 linear kernels against float32 matmuls, and their place in the model: AMX
+(``cpu_amx_linear.c``) and AVX512-BF16 (``cpu_bf16_linear.c``), which share the packed
+layout and the Python class. Each runs where the CPU can execute it; on an AMX CPU both
+do."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from aserve.kernels import amx_linear
+from aserve.kernels import amx_linear, bf16_linear
 from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.model.layers.linear import ColumnParallelLinear, prepack_linears
 from aserve.distributed.tp_group import TPGroup
 
-pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
+needs_amx = pytest.mark.skipif(not amx_linear.cpu_has_amx(),
+                               reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
+needs_avx512_bf16 = pytest.mark.skipif(not bf16_linear.cpu_supported(),
+                                       reason="this CPU lacks AVX512-BF16 (avx512f, avx512_bf16)")
 
 
-@pytest.fixture(scope="module")
-def amx():
-    loaded = amx_linear.load()
-    assert loaded is not None, "the kernel must build and get the tile state where the CPU has AMX"
+@pytest.fixture(scope="module", params=[pytest.param("amx", marks=needs_amx),
+                                        pytest.param("avx512_bf16", marks=needs_avx512_bf16)])
+def amx(request):
+    loaded = amx_linear.load() if request.param == "amx" else bf16_linear.load()
+    assert loaded is not None, f"the {request.param} kernel must build (and get the tile state) where the CPU has it"
+    assert loaded.kind == request.param
     return loaded
-
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,6 +140,41 @@ def test_lm_head_takes_the_kernel_and_a_tied_one_keeps_the_embeddings_weight(amx
     assert torch.equal(model.embed(ids), model.embed.weight[ids])
 
 
+@needs_amx
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("ASERVE_CPU_AMX", "0")
     assert amx_linear.load() is None
+    # bf16 layers then take the AVX512-BF16 kernel (every AMX CPU has avx512_bf16).
+    best = bf16_linear.load_best()
+    assert best is not None and best.kind == "avx512_bf16"
+
+
+@needs_avx512_bf16
+def test_avx512_bf16_kernel_switched_off_by_the_environment(monkeypatch):
+    assert bf16_linear.load_best() is not None
+    monkeypatch.setenv("ASERVE_CPU_BF16_LINEAR", "0")
+    assert bf16_linear.load() is None
+    monkeypatch.setenv("ASERVE_CPU_AMX", "0")
+    assert bf16_linear.load_best() is None  # both off: oneDNN
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows", [1, 6, 7, 12, 13, 31, 32])
+def test_avx512_bf16_decode_passes_cover_every_row_and_column_once(rows, set_threads):
+    """The decode form (rows <= 32) runs K in passes of 4 chunks of 32 over blocks of up
+    to 6 rows, carrying the sums between passes, and an odd count of 32-column pairs
+    leaves a last group of one pair: K = 320 (2.5 passes) and 5 pairs cover each edge.
+    One and two threads give the same bits, and rows of a batch do not change each
+    other's values."""
+    kernel = bf16_linear.load()
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 320, generator=g).bfloat16()
+    w = (torch.randn(160, 320, generator=g) * 0.1).bfloat16()
+    packed = kernel.pack(w)
+    set_threads(1)
+    one = kernel.linear(x, packed, 160)
+    set_threads(2)
+    two = kernel.linear(x, packed, 160)
+    assert torch.equal(one, two)
+    assert torch.equal(kernel.linear(x[-1:], packed, 160), one[-1:])
+    torch.testing.assert_close(one.float(), reference(x, w).float(), rtol=2**-7, atol=1e-3)

@@ -8,9 +8,21 @@ from aserve.kernels.inventory import describe
 def test_the_line_names_the_flags_and_the_forms_each_cpu_kind_runs():
     avx2 = describe(frozenset({"avx2", "fma", "sse2"}), model="AMD EPYC")
     assert "flags: avx2 fma;" in avx2 and "(AVX2 form)" in avx2 and "no AMX kernels" in avx2
+    assert "no AVX512-BF16 kernels" in avx2
     avx512 = describe(frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}), model="AMD EPYC")
     assert "AVX-512 and AVX2 forms" in avx512 and "avx512_bf16" in avx512
+    assert "AVX512-BF16 bf16 linear + its one-call decode" in avx512 and "no AMX kernels" in avx512
     amx = describe(frozenset({"avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}), model="Xeon")
     assert "AMX bf16 linear" in amx
     old = describe(frozenset({"sse2"}), model="old")
     assert "no float32 linear kernel (needs AVX2 and FMA)" in old
+
+
+def test_amd_cpus_build_with_the_vendor_define():
+    """The decode attention prefetches into L2 on AMD (cbuild.vendor_flags): the define
+    comes from the vendor line, whatever model gcc takes the CPU for."""
+    from aserve.kernels.cbuild import vendor_flags
+
+    assert vendor_flags("vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n") == ("-DASERVE_CPU_AMD=1",)
+    assert vendor_flags("vendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n") == ()
+    assert vendor_flags("processor\t: 0\n") == ()

@@ -1,7 +1,9 @@
 """The fused decode step (aserve/kernels/llama_decode.py): every layer of a decode step in
 one C call must give exactly what the layer-by-layer path gives, and apply only where
-it computes the model's layers. bf16 (AMX) and float32 (AVX2) forms; the bf16
-one is skipped, with its reason, on a CPU without AMX."""
+it computes the model's layers. bf16 (AMX, and AVX512-BF16) and float32 (AVX2 or AVX-512)
+forms; each is skipped, with its reason, on a CPU that cannot run it.
+``bfloat16`` is the bf16 form this CPU picks (AMX where it has it); ``bfloat16-avx512``
+forces the AVX512-BF16 one (``ASERVE_CPU_AMX=0``), so an AMX CPU tests both."""
 
 from __future__ import annotations
 
@@ -9,13 +11,26 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import amx_linear, f32_linear, llama_decode
+from aserve.kernels import amx_linear, bf16_linear, f32_linear, llama_decode
 
 needs_amx = pytest.mark.skipif(not amx_linear.cpu_has_amx(),
                                reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
+needs_avx512_bf16 = pytest.mark.skipif(not bf16_linear.cpu_supported(),
+                                       reason="this CPU lacks AVX512-BF16 (avx512f, avx512_bf16)")
+needs_bf16 = pytest.mark.skipif(not (amx_linear.cpu_has_amx() or bf16_linear.cpu_supported()),
+                                reason="this CPU has neither AMX nor AVX512-BF16: no bf16 kernel runs on it")
 needs_f32 = pytest.mark.skipif(not f32_linear.cpu_supported(),
                                reason="needs AVX2 and FMA (this CPU lacks them)")
-DTYPES = [pytest.param("bfloat16", marks=needs_amx), pytest.param("float32", marks=needs_f32)]
+DTYPES = [pytest.param("bfloat16", marks=needs_bf16), pytest.param("bfloat16-avx512", marks=needs_avx512_bf16),
+          pytest.param("float32", marks=needs_f32)]
+
+
+def _dtype(dtype: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The model dtype of a DTYPES entry, with the environment it names set."""
+    if dtype == "bfloat16-avx512":
+        monkeypatch.setenv("ASERVE_CPU_AMX", "0")
+        return "bfloat16"
+    return dtype
 
 
 def _model(llm: LLM) -> torch.nn.Module:
@@ -53,6 +68,7 @@ def _generate(llm: LLM) -> list[tuple[list[int], list]]:
 def test_same_tokens_and_logprobs_as_the_layer_by_layer_path(dtype, arch, threads, model_dirs, monkeypatch,
                                                              set_threads):
     set_threads(threads)
+    dtype = _dtype(dtype, monkeypatch)
     fused_llm = LLM(str(model_dirs[arch]), dtype=dtype, kv_cache_memory=1 << 24)
     stack = _model(fused_llm).model.decode_stack
     assert stack is not None
@@ -84,9 +100,10 @@ def test_float32_model_over_a_bf16_cache(llama_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_step_gives_the_layers_hidden_states_and_kv_cache(dtype, llama_dir):
+def test_one_step_gives_the_layers_hidden_states_and_kv_cache(dtype, llama_dir, monkeypatch):
     """A decode step of 3 rows at different lengths, straight through the model: the
     hidden states and every layer's written cache slots equal the layer loop's."""
+    dtype = _dtype(dtype, monkeypatch)
     llm = LLM(str(llama_dir), dtype=dtype, kv_cache_memory=1 << 24)
     runner = llm.engine.executor.worker.runner
     model = runner.model
@@ -137,9 +154,31 @@ def test_not_attached_where_a_linear_is_not_in_the_kernels_form(llama_dir):
 @needs_amx
 @pytest.mark.parametrize("var", ["ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_AMX", "ASERVE_CPU_FUSED_OPS"])
 def test_switched_off_by_the_environment(var, monkeypatch):
-    assert llama_decode.load() is not None
+    assert llama_decode.load("amx") is not None
     monkeypatch.setenv(var, "0")
-    assert llama_decode.load() is None
+    assert llama_decode.load("amx") is None
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("var", ["ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_BF16_LINEAR", "ASERVE_CPU_FUSED_OPS"])
+def test_avx512_bf16_form_switched_off_by_the_environment(var, monkeypatch):
+    monkeypatch.setenv("ASERVE_CPU_AMX", "0")  # so that the default is this form on an AMX CPU too
+    assert llama_decode.load("avx512_bf16") is not None and llama_decode.load() is not None
+    monkeypatch.setenv(var, "0")
+    assert llama_decode.load("avx512_bf16") is None and llama_decode.load() is None
+
+
+@needs_avx512_bf16
+def test_bf16_model_on_the_avx512_kernel_takes_the_one_call_step(llama_dir, monkeypatch):
+    """Without AMX (or with it off), a bf16 model's linear layers are the AVX512-BF16
+    kernel's, and its decode steps the one-call stack over the same packed weights."""
+    monkeypatch.setenv("ASERVE_CPU_AMX", "0")
+    model = _model(LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)).model
+    assert model.layers[0].mlp.down_proj.amx.kind == "avx512_bf16"
+    assert model.decode_stack is not None
+    monkeypatch.setenv("ASERVE_CPU_BF16_LINEAR", "0")
+    model = _model(LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)).model
+    assert model.layers[0].mlp.down_proj.amx is None and model.decode_stack is None  # oneDNN, layer by layer
 
 
 @needs_f32
@@ -159,6 +198,7 @@ def test_float32_form_needs_no_amx_and_is_switched_off_by_the_environment(monkey
 def test_tensor_parallel_2_same_tokens_and_logprobs(dtype, arch, model_dirs, monkeypatch, capfd):
     """With two ranks each layer is two C calls with the all-reduces between them, where
     the layer-by-layer path has them: the results stay bit-identical."""
+    dtype = _dtype(dtype, monkeypatch)
     with LLM(str(model_dirs[arch]), dtype=dtype, kv_cache_memory=1 << 24, tensor_parallel_size=2) as llm:
         fused = _generate(llm)
     logged = capfd.readouterr().err

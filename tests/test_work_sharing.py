@@ -10,20 +10,20 @@ import sys
 
 import pytest
 
-from aserve.kernels import amx_linear, cpu_decode_attention
+from aserve.kernels import amx_linear, bf16_linear, cpu_decode_attention
 
 # Computes each kernel's output at the thread count in argv[1] and prints one digest per
 # output. Inputs come from fixed seeds, so runs in separate processes agree.
 SCRIPT = r'''
 import hashlib, sys, torch
-from aserve.kernels import amx_linear, cpu_decode_attention
+from aserve.kernels import bf16_linear, cpu_decode_attention
 import os
 torch.set_num_threads(int(sys.argv[1]))
 print("threads before", len(os.listdir("/proc/self/task")))
 def digest(t):
     return hashlib.sha256(t.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
 g = torch.Generator().manual_seed(0)
-amx = amx_linear.load()
+amx = bf16_linear.load_best()  # AMX, else AVX512-BF16: the same work sharing
 w = (torch.randn(1024, 256, generator=g) * 0.1).bfloat16()
 packed = amx.pack(w)
 for rows in (32, 100):  # a decode batch (items of one pair), a prefill (groups of pairs)
@@ -51,7 +51,8 @@ def run(threads: int, **env: str) -> dict[str, str]:
     return {" ".join(parts[:-1]): parts[-1] for parts in lines}
 
 
-@pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
+@pytest.mark.skipif(not (amx_linear.cpu_has_amx() or bf16_linear.cpu_supported()),
+                    reason="this CPU has neither AMX nor AVX512-BF16: no bf16 linear kernel runs on it")
 def test_outputs_do_not_depend_on_how_threads_share_the_work():
     assert cpu_decode_attention.load() is not None
     one = run(1)

@@ -36,14 +36,19 @@ def padded_width(rows: int) -> int:
 
 
 class AmxLinear:
-    """The loaded kernel: :meth:`pack` a weight once, then :meth:`linear` per call."""
+    """The loaded kernel: :meth:`pack` a weight once, then :meth:`linear` per call.
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    Also the AVX512-BF16 kernel's class (:mod:`aserve.kernels.bf16_linear`): it packs
+    weights in the same layout and takes the same arguments, under the symbol prefix
+    ``aserve_bf16``. ``kind`` names the one loaded: ``"amx"`` or ``"avx512_bf16"``."""
+
+    def __init__(self, lib: ctypes.CDLL, kind: str = "amx", prefix: str = "aserve_amx") -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._pack = lib.aserve_amx_pack
+        self.kind = kind
+        self._pack = getattr(lib, f"{prefix}_pack")
         self._pack.argtypes = [ptr, i64, ptr, i64, i64]
         self._pack.restype = None
-        self._linear = lib.aserve_amx_linear
+        self._linear = getattr(lib, f"{prefix}_linear")
         self._linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
         self._linear.restype = ctypes.c_int
 
@@ -91,7 +96,7 @@ class AmxLinear:
             code = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), width, rows,
                                 width, in_features, torch.get_num_threads())
             if code != 0:
-                raise ValueError(f"AMX linear: unsupported shape [{rows}, {in_features}] x [{out_features}, {in_features}]")
+                raise ValueError(f"{self.kind} linear: unsupported shape [{rows}, {in_features}] x [{out_features}, {in_features}]")
         if width != out_features:
             y = y[:, :out_features]
         return y if bias is None else y.add_(bias)

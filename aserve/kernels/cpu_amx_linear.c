@@ -38,6 +38,7 @@
 #include <omp.h>
 #endif
 
+#include "cpu_bf16_pack.h"
 #include "cpu_kernels.h"
 
 /* Bytes of weights prefetched ahead of the block being loaded. One row tile (M <= 16):
@@ -52,20 +53,10 @@
 /* 1 when this process may use AMX tiles (asks the kernel once; idempotent). */
 int aserve_amx_init(void) { return amx_request_tiles(); }
 
-/* Pack W [N, K] (rows `w_stride` elements apart) into `out` (N * K elements). */
+/* Pack W [N, K] (rows `w_stride` elements apart) into `out` (N * K elements): the layout
+ * above (cpu_bf16_pack.h, shared with the AVX512-BF16 kernel). */
 void aserve_amx_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_t N, int64_t K) {
-    const int64_t KC = K / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < N / 32; p++) {
-        for (int64_t kc = 0; kc < KC; kc++) {
-            uint16_t *block = out + (p * KC + kc) * 1024;
-            for (int j = 0; j < 2; j++)
-                for (int r = 0; r < 16; r++)
-                    for (int c = 0; c < 16; c++)
-                        for (int i = 0; i < 2; i++)
-                            block[j * 512 + r * 32 + 2 * c + i] = w[(32 * p + 16 * j + c) * w_stride + 32 * kc + 2 * r + i];
-        }
-    }
+    bf16_tile_pack(w, w_stride, out, N, K);
 }
 
 static void configure(int rows0, int rows1) {

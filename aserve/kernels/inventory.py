@@ -30,6 +30,10 @@ def describe(flags: frozenset[str] | None = None, model: str | None = None) -> s
         kernels.append(f"float32 linear + float32 one-call decode ({form})")
     else:
         kernels.append("no float32 linear kernel (needs AVX2 and FMA)")
+    if {"avx512f", "avx512_bf16"} <= flags:
+        kernels.append("AVX512-BF16 bf16 linear + its one-call decode")
+    else:
+        kernels.append("no AVX512-BF16 kernels (needs avx512f and avx512_bf16)")
     if {"amx_tile", "amx_bf16"} <= flags:
         kernels.append("AMX bf16 linear, prefill attention and one-call decode")
     else:

@@ -2,7 +2,9 @@
 (two a layer on a tensor-parallel rank, all-reduced between), for Llama, Mistral, Qwen2
 and Qwen3 layers in one of two forms:
 
-- bf16 with every linear layer on AMX (``cpu_llama_decode.c``, :func:`load`);
+- bf16 with every linear layer on AMX (``cpu_llama_decode.c``, :func:`load`), or on the
+  AVX512-BF16 kernel of :mod:`aserve.kernels.bf16_linear` where the CPU has no AMX
+  (``cpu_llama_decode_avx512.c``; the same packed weights);
 - float32 with every linear layer on the kernel of :mod:`aserve.kernels.f32_linear`
   (its AVX-512 or AVX2 form; ``cpu_llama_decode_f32.c``, :func:`load_float32`), the
   form float32 weights take on an x86 CPU with AVX2.
@@ -14,8 +16,9 @@ path. The model decides when it applies (:meth:`aserve.model.models.llama.LlamaM
 attach_decode_stack`); this module only describes the layers to the C side and keeps
 the step's scratch memory.
 
-Both share their C body (``cpu_llama_decode_body.h``). :func:`load` returns None where the
-library cannot be built, the CPU has no AMX, or ``ASERVE_CPU_FUSED_DECODE=0``;
+All share their C body (``cpu_llama_decode_body.h``). :func:`load` returns None where the
+library cannot be built, the CPU has neither AMX nor AVX512-BF16 (or they are switched
+off), or ``ASERVE_CPU_FUSED_DECODE=0``;
 :func:`load_float32` where it cannot be built, the float32 linear kernel does not apply to
 this CPU (:func:`aserve.kernels.f32_linear.cpu_supported`), or the same switches.
 """
@@ -31,11 +34,13 @@ import torch
 
 from aserve.envs import read_env
 from aserve.kernels.amx_linear import load_amx_library
+from aserve.kernels.bf16_linear import load_library_checked as load_bf16_library
 from aserve.kernels.cbuild import load_library
 from aserve.kernels.f32_linear import cpu_supported as f32_cpu_supported
 
 _SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
 _F32_SOURCE = Path(__file__).with_name("cpu_llama_decode_f32.c")
+_AVX512_SOURCE = Path(__file__).with_name("cpu_llama_decode_avx512.c")
 _ALIGN = 32  # elements: each scratch region starts on a 64-byte line (or two)
 
 
@@ -218,13 +223,22 @@ class LlamaDecodeKernel:
         return DecodeStack(self._fn, self._half, layers, dims, all_reduce, dtype=self.dtype)
 
 
-def load() -> LlamaDecodeKernel | None:
-    """The library, or None where it is unavailable or switched off."""
+def load(kind: str | None = None) -> LlamaDecodeKernel | None:
+    """The bf16 library over the linear kernel ``kind`` (``"amx"`` or ``"avx512_bf16"``,
+    the :class:`~aserve.kernels.amx_linear.AmxLinear` the layers were packed for; None:
+    the one :func:`aserve.kernels.bf16_linear.load_best` would pick), or None where it is
+    unavailable or switched off."""
     env = read_env()
-    if not env.cpu_fused_decode or not env.cpu_amx or not env.cpu_fused_ops or env.cpu_attention == "sdpa":
+    if not env.cpu_fused_decode or not env.cpu_fused_ops or env.cpu_attention == "sdpa":
         return None
-    lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "the fused decode step")
-    return None if lib is None else LlamaDecodeKernel(lib)
+    if kind in (None, "amx") and env.cpu_amx:
+        lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "the fused decode step")
+        if lib is not None or kind == "amx":
+            return None if lib is None else LlamaDecodeKernel(lib)
+    if kind in (None, "avx512_bf16") and env.cpu_bf16_linear:
+        lib = load_bf16_library(_AVX512_SOURCE, "the fused decode step (AVX512-BF16)")
+        return None if lib is None else LlamaDecodeKernel(lib)
+    return None
 
 
 def load_float32() -> LlamaDecodeKernel | None:

@@ -21,7 +21,7 @@ from aserve.errors import ConfigError
 from aserve.distributed.pp_group import PPGroup
 from aserve.distributed.tp_group import TPGroup
 from aserve.model.hf_config import load_arch_config
-from aserve.kernels.amx_linear import load as load_amx_linear
+from aserve.kernels.bf16_linear import load_best as load_bf16_linear
 from aserve.kernels.cpu_fused_ops import attach as attach_fused_ops
 from aserve.kernels.cpu_fused_ops import load as load_fused_ops
 from aserve.kernels.f32_linear import load as load_f32_linear
@@ -152,14 +152,18 @@ class Worker:
             # stay tied (Module.to replaces each parameter's data in place).
             model.to(self.device)
         f32 = load_f32_linear() if self.dtype == torch.float32 and on_cpu else None
-        amx = load_amx_linear() if self.dtype == torch.bfloat16 and on_cpu else None
-        prepack_linears(model, amx, f32)
-        if on_cpu and say:  # ASERVE_CPU_F32_LINEAR=0 and ASERVE_CPU_AMX=0 turn the kernels off
+        # bf16: AMX tiles, else the AVX512-BF16 kernel, else oneDNN (bf16_linear.load_best).
+        bf16 = load_bf16_linear() if self.dtype == torch.bfloat16 and on_cpu else None
+        prepack_linears(model, bf16, f32)
+        if on_cpu and say:  # ASERVE_CPU_F32_LINEAR, ASERVE_CPU_AMX, ASERVE_CPU_BF16_LINEAR = 0 turn kernels off
             if self.dtype == torch.float32:
                 logger.info("float32 linear layers: %s", "oneDNN and MKL (the kernel is off or cannot run here)"
                             if f32 is None else f"aserve's kernel, {'AVX-512' if f32.form == 512 else 'AVX2'} form")
             elif self.dtype == torch.bfloat16:
-                logger.info("bf16 linear layers: %s", "AMX tiles" if amx is not None else "oneDNN (no AMX, or off)")
+                logger.info("bf16 linear layers: %s", {None: "oneDNN (no AMX or AVX512-BF16, or off)",
+                                                       "amx": "AMX tiles",
+                                                       "avx512_bf16": "aserve's AVX512-BF16 kernel"}[
+                    None if bf16 is None else bf16.kind])
         if self.use_triton:
             from aserve.kernels.triton_ops import TritonOps
 
@@ -172,7 +176,8 @@ class Worker:
             if fused is not None:
                 attach_fused_ops(model, fused)
                 # Decode steps through every layer from C, where the model's layers
-                # allow it (bf16 on AMX, float32 on AVX2 or AVX-512; aserve/kernels/llama_decode.py).
+                # allow it (bf16 on AMX or AVX512-BF16, float32 on AVX2 or AVX-512;
+                # aserve/kernels/llama_decode.py).
                 kernel = None
                 blockers = model.fast_path_blockers() if hasattr(model, "fast_path_blockers") else []
                 if blockers and say:
@@ -181,8 +186,8 @@ class Worker:
                     logger.info("decode steps run layer by layer, not in one C call: %s (%s)",
                                 ", ".join(blockers), arch.architecture)
                 if hasattr(model, "attach_decode_stack") and not blockers:
-                    if self.dtype == self.kv_dtype == torch.bfloat16:
-                        kernel = load_decode_stack()
+                    if self.dtype == self.kv_dtype == torch.bfloat16 and bf16 is not None:
+                        kernel = load_decode_stack(bf16.kind)  # over the kernel the layers were packed for
                     elif self.dtype == torch.float32:
                         kernel = load_float32_decode_stack()
                 if kernel is not None and model.attach_decode_stack(kernel) and at_start:

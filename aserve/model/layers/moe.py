@@ -96,7 +96,7 @@ class Experts(nn.Module):
         w2 = [self.w2.data[e].contiguous() for e in range(self.num_experts)]
         if amx is not None and all(amx.supports(w) for w in w13 + w2):
             self.packed = ([amx.pack(w) for w in w13], [amx.pack(w) for w in w2])
-            self._packed_mm, form = amx.linear, "amx"
+            self._packed_mm, form = amx.linear, amx.kind
         elif f32 is not None and all(f32.supports(w) for w in w13 + w2):
             self.packed = ([f32.pack(w) for w in w13], [f32.pack(w) for w in w2])
             self._packed_mm, form = f32.linear, "f32"

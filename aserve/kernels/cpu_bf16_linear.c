@@ -1,0 +1,253 @@
+/* bf16 linear layers on AVX512-BF16 (vdpbf16ps), for CPUs with native bf16 dot products
+ * and no AMX (aserve/kernels/bf16_linear.py): y[M, N] = x[M, K] . W[N, K]^T, K and N
+ * multiples of 32, bf16 in and out, float32 accumulation and one rounding at the end.
+ *
+ * Why: on such a CPU (an AMD EPYC Zen 4 here) torch's bf16 linear layers are oneDNN's,
+ * and at decode batch sizes oneDNN's prepacked GEMM left a third of the machine's bf16
+ * rate unused (docs/performance.md, "AVX-512 with avx512_bf16"). Its weights also live
+ * in oneDNN's own layout, which the one-call decode step (cpu_llama_decode_avx512.c)
+ * cannot call into.
+ *
+ * Weight layout: the AMX kernel's (cpu_amx_linear.c says it in full), so the Python side
+ * packs, stores and pads weights the same way for both kernels. Blocks of 32 output
+ * columns (a "pair" of 16-column tiles) by 32 of K; within a block, tile j's row r is 64
+ * bytes: for its 16 columns c, W[32p + 16j + c][32kc + 2r + i], i = 0, 1. That row is
+ * exactly one vdpbf16ps operand: 16 lanes, each a pair of consecutive K. A pair's blocks
+ * for all of K are one contiguous run.
+ *
+ * Arithmetic: a block of up to 6 rows of x by 4 tiles (two pairs, 64 columns) keeps 24
+ * accumulators in registers; per pair of K it loads 4 weight vectors, broadcasts 6 pairs
+ * of x, and issues 24 vdpbf16ps. Each output is one chain over K in order, then rounded
+ * to bf16 to nearest even: its value does not depend on the thread count or on the rows
+ * around it, so the layer-by-layer path and the one-call decode step agree bit for bit.
+ *
+ * Threads: an item is a group of two pairs (decode: all rows; prefill, M > 32: a panel
+ * of PANEL_ROWS rows), items group-major, shared out with work_next (cpu_kernels.h), so
+ * a thread's consecutive items read the same weights from L2 and, at decode sizes, each
+ * thread streams its own contiguous run of weights from memory.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_bf16_pack.h"
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BF16_LINEAR_AVAILABLE 1
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#else
+#define BF16_LINEAR_AVAILABLE 0
+#endif
+
+int aserve_bf16_linear_available(void) { return BF16_LINEAR_AVAILABLE; }
+
+/* Pack W [N, K] (rows `w_stride` elements apart; N, K multiples of 32) into `out` (N * K
+ * elements): the AMX kernel's layout (cpu_bf16_pack.h). */
+void aserve_bf16_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_t N, int64_t K) {
+    bf16_tile_pack(w, w_stride, out, N, K);
+}
+
+#if BF16_LINEAR_AVAILABLE
+/* Rows of x in a prefill item; 192 rows of a K = 1,024 x are 384 KiB, and the item's
+ * weights (two pairs, 128 KiB at K = 1,024) stay in L2 while they pass. */
+#define PANEL_ROWS 192
+#define PF_HINT _MM_HINT_T1 /* into L2: see bf16_decode_item */
+
+static inline __m512bh pair_of_x(const uint16_t *x) { /* x[0], x[1] in every 32-bit lane */
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return (__m512bh)_mm512_set1_epi32(v);
+}
+
+/* Rows of float sums (64 apart in acc) -> bf16, rounded to nearest even, into y. */
+static void store_rows(const float *acc, int64_t rows, int cols, uint16_t *y, int64_t ldy) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c += 16)
+            _mm256_storeu_si256((__m256i *)(y + r * ldy + c), to_bf16x16(_mm512_load_ps(acc + r * 64 + c)));
+}
+
+#define BF16_ROW(R)                                                                                                  \
+    if (MRV > R) {                                                                                                  \
+        const __m512bh a = pair_of_x(x + R * ldx + k2);                                                             \
+        c##R##0 = _mm512_dpbf16_ps(c##R##0, a, b0);                                                                 \
+        c##R##1 = _mm512_dpbf16_ps(c##R##1, a, b1);                                                                 \
+        if (NT > 2) {                                                                                               \
+            c##R##2 = _mm512_dpbf16_ps(c##R##2, a, b2);                                                             \
+            c##R##3 = _mm512_dpbf16_ps(c##R##3, a, b3);                                                             \
+        }                                                                                                           \
+    }
+/* Software prefetch of the next pass's weights, spread over this pass's iterations:
+ * lines [next, end) of two runs of PF_RUN_LINES lines (one per pair; `b` may be NULL). */
+#define PF_RUN_LINES 128
+typedef struct {
+    const char *a, *b;
+    int64_t next, end;
+    int per_iter;
+} prefetch_run;
+
+static inline void prefetch_some(prefetch_run *pr) {
+    for (int i = 0; i < pr->per_iter && pr->next < pr->end; i++, pr->next++) {
+        const char *base = pr->next < PF_RUN_LINES ? pr->a : pr->b;
+        if (base) _mm_prefetch(base + 64 * (pr->next % PF_RUN_LINES), PF_HINT);
+    }
+}
+
+/* MRV (1-6) rows of x against NT (2 or 4) tiles, over chunks [kc0, kc0 + nkc) of K: the
+ * pair at w (all of K, KC blocks) and, for NT = 4, the next pair, KC blocks on. The sums
+ * start from `acc` (float, rows 64 apart), or from zero when `first`, and end there;
+ * each iteration also issues its share of `pr`'s prefetches. */
+#define BF16_LOAD_ACC(R)                                                                                              \
+    if (MRV > R && !first) {                                                                                        \
+        c##R##0 = _mm512_loadu_ps(acc + R * 64);                                                                    \
+        c##R##1 = _mm512_loadu_ps(acc + R * 64 + 16);                                                               \
+        if (NT > 2) {                                                                                               \
+            c##R##2 = _mm512_loadu_ps(acc + R * 64 + 32);                                                           \
+            c##R##3 = _mm512_loadu_ps(acc + R * 64 + 48);                                                           \
+        }                                                                                                           \
+    }
+#define BF16_SAVE_ACC(R)                                                                                              \
+    if (MRV > R) {                                                                                                  \
+        _mm512_storeu_ps(acc + R * 64, c##R##0);                                                                    \
+        _mm512_storeu_ps(acc + R * 64 + 16, c##R##1);                                                               \
+        if (NT > 2) {                                                                                               \
+            _mm512_storeu_ps(acc + R * 64 + 32, c##R##2);                                                           \
+            _mm512_storeu_ps(acc + R * 64 + 48, c##R##3);                                                           \
+        }                                                                                                           \
+    }
+#define BF16_ACC_BLOCK(MRV_, NT_)                                                                                    \
+    static void bf16_acc_block_##MRV_##_##NT_(const uint16_t *x, int64_t ldx, const uint16_t *w, float *acc,        \
+                                              int64_t KC, int64_t kc0, int64_t nkc, int first, prefetch_run *pr) {  \
+        enum { MRV = MRV_, NT = NT_ };                                                                              \
+        const __m512 z = _mm512_setzero_ps();                                                                       \
+        __m512 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z,    \
+               c23 = z, c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z,   \
+               c52 = z, c53 = z;                                                                                    \
+        BF16_LOAD_ACC(0) BF16_LOAD_ACC(1) BF16_LOAD_ACC(2) BF16_LOAD_ACC(3) BF16_LOAD_ACC(4) BF16_LOAD_ACC(5)        \
+        const uint16_t *w2 = w + KC * 1024;                                                                         \
+        for (int64_t kc = kc0; kc < kc0 + nkc; kc++) {                                                              \
+            const uint16_t *t0 = w + kc * 1024, *t2 = w2 + kc * 1024;                                               \
+            for (int r = 0; r < 16; r++) {                                                                          \
+                const int64_t k2 = kc * 32 + 2 * r;                                                                 \
+                const __m512bh b0 = (__m512bh)_mm512_loadu_si512(t0 + r * 32);                                     \
+                const __m512bh b1 = (__m512bh)_mm512_loadu_si512(t0 + 512 + r * 32);                               \
+                const __m512bh b2 = NT > 2 ? (__m512bh)_mm512_loadu_si512(t2 + r * 32) : b0;                        \
+                const __m512bh b3 = NT > 2 ? (__m512bh)_mm512_loadu_si512(t2 + 512 + r * 32) : b0;                  \
+                BF16_ROW(0) BF16_ROW(1) BF16_ROW(2) BF16_ROW(3) BF16_ROW(4) BF16_ROW(5)                             \
+                prefetch_some(pr);                                                                                  \
+            }                                                                                                       \
+        }                                                                                                           \
+        BF16_SAVE_ACC(0) BF16_SAVE_ACC(1) BF16_SAVE_ACC(2) BF16_SAVE_ACC(3) BF16_SAVE_ACC(4) BF16_SAVE_ACC(5)        \
+    }
+#define BF16_ACC_BLOCKS(NT) BF16_ACC_BLOCK(1, NT) BF16_ACC_BLOCK(2, NT) BF16_ACC_BLOCK(3, NT) BF16_ACC_BLOCK(4, NT) \
+    BF16_ACC_BLOCK(5, NT) BF16_ACC_BLOCK(6, NT)
+BF16_ACC_BLOCKS(2)
+BF16_ACC_BLOCKS(4)
+
+typedef void (*bf16_acc_block_fn)(const uint16_t *, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t,
+                                  int, prefetch_run *);
+static const bf16_acc_block_fn BF16_ACC_BLOCK_TABLE[2][7] = {
+    {NULL, bf16_acc_block_1_2, bf16_acc_block_2_2, bf16_acc_block_3_2, bf16_acc_block_4_2, bf16_acc_block_5_2,
+     bf16_acc_block_6_2},
+    {NULL, bf16_acc_block_1_4, bf16_acc_block_2_4, bf16_acc_block_3_4, bf16_acc_block_4_4, bf16_acc_block_5_4,
+     bf16_acc_block_6_4}};
+
+/* K chunks of 32 a decode pass takes before moving to the next rows: 4 KiB of weights a
+ * chunk for two pairs, so a pass's weights (16 KiB) stay in L1 while every row block
+ * reads them. */
+#define DECODE_KC 4
+
+/* All rows (M <= 32) of the group of pairs at p, K-outer: each pass over DECODE_KC chunks
+ * of K runs every 6-row block before the next chunks, carrying the accumulators in a
+ * 32 x 64 float buffer (8 KiB, in L1), and prefetches the next pass's weights into L2
+ * while it computes.
+ *
+ * Why: with each row block running over all of K (bf16_item, the prefill form), the first
+ * block waited on memory and the others computed with memory idle; the hardware
+ * prefetchers did not run far enough ahead to overlap the two. The 152M model's 12
+ * layers of weights (308 MB, from 2 MiB pages, two Zen 4 threads, 2026-12-02) took 35.9
+ * ms at 32 rows that way against oneDNN's 29.7; K-outer with the L2 prefetch, 25.9 against
+ * 32.1 (1 row 10.6 against 16.9 ms, 8 rows 10.0 against 17.8; 128 rows even). Prefetching
+ * into L1 instead (_MM_HINT_T0) held 1 row at 13.9 ms: the next pass's 16 KiB and this
+ * one's together fill a Zen 4 core's 32 KiB L1. */
+static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy,
+                             int64_t M, int64_t p, int64_t pairs, int64_t KC) {
+    float acc[32 * 64] __attribute__((aligned(64)));
+    const int four = p + 1 < pairs;
+    const uint16_t *w = wp + p * KC * 1024;
+    const int64_t blocks = (M + 5) / 6;
+    for (int64_t kc0 = 0; kc0 < KC; kc0 += DECODE_KC) {
+        const int64_t nkc = KC - kc0 < DECODE_KC ? KC - kc0 : DECODE_KC;
+        /* The next pass's weights: the next chunks of these pairs, or the first chunks of
+           the next group (the item a thread most likely takes next). */
+        prefetch_run pr = {NULL, NULL, 0, 2 * PF_RUN_LINES, 0};
+        if (kc0 + DECODE_KC < KC) {
+            pr.a = (const char *)(w + (kc0 + DECODE_KC) * 1024);
+            pr.b = four ? (const char *)(w + (KC + kc0 + DECODE_KC) * 1024) : NULL;
+        } else if (p + 2 < pairs) {
+            pr.a = (const char *)(wp + (p + 2) * KC * 1024);
+            pr.b = p + 3 < pairs ? (const char *)(wp + (p + 3) * KC * 1024) : NULL;
+        }
+        if (!pr.a) pr.end = 0;
+        const int64_t iters = blocks * nkc * 16;
+        pr.per_iter = (int)((pr.end + iters - 1) / iters);
+        for (int64_t r = 0; r < M; r += 6) {
+            const int mr = (int)(M - r < 6 ? M - r : 6);
+            BF16_ACC_BLOCK_TABLE[four][mr](x + r * ldx, ldx, w, acc + r * 64, KC, kc0, nkc, kc0 == 0, &pr);
+        }
+    }
+    store_rows(acc, M, four ? 64 : 32, y + 32 * p, ldy);
+}
+
+/* Rows [m0, m1) of the group of pairs starting at p (two pairs, or one: the last of an
+ * odd count), each 6-row block over all of K: the prefill form, whose item's weights
+ * stay in L2 while its PANEL_ROWS rows pass. */
+static void bf16_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t m0,
+                      int64_t m1, int64_t p, int64_t pairs, int64_t KC) {
+    float acc[6 * 64] __attribute__((aligned(64)));
+    prefetch_run none = {NULL, NULL, 0, 0, 0};
+    const int four = p + 1 < pairs;
+    const uint16_t *w = wp + p * KC * 1024;
+    for (int64_t r = m0; r < m1; r += 6) {
+        const int mr = (int)(m1 - r < 6 ? m1 - r : 6);
+        BF16_ACC_BLOCK_TABLE[four][mr](x + r * ldx, ldx, w, acc, KC, 0, KC, 1, &none);
+        store_rows(acc, mr, four ? 64 : 32, y + r * ldy + 32 * p, ldy);
+    }
+}
+#endif
+
+/* y[M, N] (rows `y_stride` apart) = x[M, K] (rows `x_stride` apart) . W^T, W packed by
+ * aserve_bf16_pack. Returns 0, or -1 when the shape is not supported (M < 1, K or N not
+ * a multiple of 32) or the kernel is not built (no AVX512-BF16). */
+int aserve_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
+                       int64_t M, int64_t N, int64_t K, int num_threads) {
+#if BF16_LINEAR_AVAILABLE
+    if (M < 1 || K % 32 || N % 32) return -1;
+    const int64_t pairs = N / 32, KC = K / 32, groups = (pairs + 1) / 2;
+    const int64_t panels = M > 32 ? (M + PANEL_ROWS - 1) / PANEL_ROWS : 1, items = groups * panels;
+    if (num_threads > items) num_threads = (int)items;
+    if (num_threads < 1) num_threads = 1;
+    work_range ranges[num_threads];
+    work_split(ranges, num_threads, items);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        for (int64_t i; (i = work_next(ranges, t, num_threads)) >= 0;) {
+            const int64_t g = i / panels, panel = i % panels;
+            const int64_t m0 = panel * PANEL_ROWS, m1 = panels == 1 ? M : (m0 + PANEL_ROWS < M ? m0 + PANEL_ROWS : M);
+            if (panels == 1 && M <= 32)
+                bf16_decode_item(x, x_stride, wp, y, y_stride, M, 2 * g, pairs, KC);
+            else
+                bf16_item(x, x_stride, wp, y, y_stride, m0, m1, 2 * g, pairs, KC);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)wp; (void)y; (void)y_stride; (void)M; (void)N; (void)K; (void)num_threads;
+    return -1;
+#endif
+}

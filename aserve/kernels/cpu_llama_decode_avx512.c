@@ -1,0 +1,11 @@
+/* A decode step of a Llama-family model's decoder layers in one call: the bf16 variant
+ * for CPUs with AVX512-BF16 and no AMX (an AMD EPYC Zen 4, say). cpu_llama_decode.c is
+ * the AMX one and says why and what; this one is the same stack over the AVX512-BF16
+ * linear kernel (cpu_bf16_linear.c), whose packed weights have the AMX kernel's layout.
+ * The layer-by-layer path calls the same kernels, so the two agree bit for bit. */
+#include "cpu_bf16_linear.c"
+#include "cpu_fused_ops.c"
+#include "cpu_decode_attention.c"
+
+#define BF16_LINEAR aserve_bf16_linear
+#include "cpu_llama_decode_bf16.h"

@@ -12,11 +12,8 @@ from aserve.kernels import amx_linear, bf16_linear
 from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.model.layers.linear import ColumnParallelLinear, prepack_linears
 from aserve.distributed.tp_group import TPGroup
+from tests.cpu_marks import needs_amx, needs_avx512_bf16
 
-needs_amx = pytest.mark.skipif(not amx_linear.cpu_has_amx(),
-                               reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
-needs_avx512_bf16 = pytest.mark.skipif(not bf16_linear.cpu_supported(),
-                                       reason="this CPU lacks AVX512-BF16 (avx512f, avx512_bf16)")
 
 
 @pytest.fixture(scope="module", params=[pytest.param("amx", marks=needs_amx),

@@ -1,24 +1,39 @@
 """The C prefill-attention kernel (aserve/kernels/cpu_prefill_attention.py): causal
-attention of prefill chunks on AMX, fresh or after cached context, against a float64
+attention of prefill chunks on AMX or AVX512-BF16 (each where the CPU runs it), fresh or
+after cached context, against a float64
 reference and torch's SDPA, and its use by paged_attention and the model runner."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import amx_linear
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, paged_attention
 from aserve.kernels.cpu_prefill_attention import load
+from tests.cpu_marks import needs_amx, needs_avx512_bf16, needs_bf16_kernel
 
-pytestmark = pytest.mark.skipif(not amx_linear.cpu_has_amx(), reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
+pytestmark = needs_bf16_kernel
 
 
-@pytest.fixture(scope="module")
-def attend():
-    kernel = load()
+@pytest.fixture(scope="module", params=[pytest.param("amx", marks=needs_amx),
+                                        pytest.param("avx512_bf16", marks=needs_avx512_bf16)])
+def attend(request):
+    """Each form the CPU runs: AMX, and the AVX512-BF16 one (which an AMX CPU takes with
+    ASERVE_CPU_AMX=0)."""
+    saved = os.environ.get("ASERVE_CPU_AMX")
+    if request.param == "avx512_bf16":
+        os.environ["ASERVE_CPU_AMX"] = "0"
+    try:
+        kernel = load()
+    finally:
+        if saved is None:
+            os.environ.pop("ASERVE_CPU_AMX", None)
+        else:
+            os.environ["ASERVE_CPU_AMX"] = saved
     assert kernel is not None
     return kernel
 

@@ -11,17 +11,12 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import amx_linear, bf16_linear, f32_linear, llama_decode
+from aserve.kernels import f32_linear, llama_decode
+from tests.cpu_marks import needs_amx, needs_avx512_bf16, needs_bf16_kernel
 
-needs_amx = pytest.mark.skipif(not amx_linear.cpu_has_amx(),
-                               reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
-needs_avx512_bf16 = pytest.mark.skipif(not bf16_linear.cpu_supported(),
-                                       reason="this CPU lacks AVX512-BF16 (avx512f, avx512_bf16)")
-needs_bf16 = pytest.mark.skipif(not (amx_linear.cpu_has_amx() or bf16_linear.cpu_supported()),
-                                reason="this CPU has neither AMX nor AVX512-BF16: no bf16 kernel runs on it")
 needs_f32 = pytest.mark.skipif(not f32_linear.cpu_supported(),
                                reason="needs AVX2 and FMA (this CPU lacks them)")
-DTYPES = [pytest.param("bfloat16", marks=needs_bf16), pytest.param("bfloat16-avx512", marks=needs_avx512_bf16),
+DTYPES = [pytest.param("bfloat16", marks=needs_bf16_kernel), pytest.param("bfloat16-avx512", marks=needs_avx512_bf16),
           pytest.param("float32", marks=needs_f32)]
 
 

@@ -32,16 +32,18 @@ def cpu_supported() -> bool:
     return {"avx512f", "avx512_bf16"} <= (cpu_flags() or frozenset())
 
 
-def load_library_checked(source: Path, what: str) -> ctypes.CDLL | None:
-    """The library built from ``source`` (a file that compiles cpu_bf16_linear.c in),
-    or None without AVX512-BF16, without a compiler, or when the build lacks the kernel."""
+def load_library_checked(source: Path, what: str, available: str = "aserve_bf16_linear_available") -> ctypes.CDLL | None:
+    """The library built from ``source`` (an AVX512-BF16 kernel), or None without
+    AVX512-BF16, without a compiler, or when the build says (its function ``available``
+    returns 0) that it was compiled without the instructions."""
     if not cpu_supported():
         return None
     lib = load_library(source, read_env().cache_dir / "kernels", what)
     if lib is None:
         return None
-    lib.aserve_bf16_linear_available.restype = ctypes.c_int
-    return lib if lib.aserve_bf16_linear_available() else None
+    check = getattr(lib, available)
+    check.restype = ctypes.c_int
+    return lib if check() else None
 
 
 def load() -> AmxLinear | None:

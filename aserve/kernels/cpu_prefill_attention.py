@@ -1,5 +1,7 @@
 """Builds and calls the C prefill-attention kernel (``cpu_prefill_attention.c``): causal
-attention of a step's prefill chunks, bf16, on AMX tiles.
+attention of a step's prefill chunks, bf16, on AMX tiles, or, on a CPU with AVX512-BF16
+and no AMX, its ``vdpbf16ps`` form (``cpu_prefill_attention_avx512.c``, the same
+contract).
 
 torch's CPU flash kernel, called once per prompt, ran a 7M model's prefill attention at
 ~110 GFLOP/s; the C kernel does both products on AMX and takes every prefill chunk of a
@@ -8,8 +10,8 @@ prompt) reads its keys and values from the paged cache, where SDPA needed them g
 into a copy first.
 
 Built on first use like the other kernels (:mod:`aserve.kernels.cbuild`). :func:`load`
-returns None without AMX, without a compiler, with ``ASERVE_CPU_AMX=0`` or with
-``ASERVE_CPU_ATTENTION=sdpa``.
+returns None without AMX or AVX512-BF16 (or with both switched off: ``ASERVE_CPU_AMX=0``,
+``ASERVE_CPU_BF16_LINEAR=0``), without a compiler, or with ``ASERVE_CPU_ATTENTION=sdpa``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch
 
 from aserve.envs import read_env
 from aserve.kernels.amx_linear import load_amx_library
+from aserve.kernels.bf16_linear import load_library_checked as load_bf16_library
 
 _SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
+_AVX512_SOURCE = Path(__file__).with_name("cpu_prefill_attention_avx512.c")
 MAX_HEAD_DIM = 256
 
 #: ``attend(q, k, v, out, starts, lens, scale, context=None)``: see :func:`load`.
@@ -53,9 +57,11 @@ def load() -> PrefillAttention | None:
     [n, max_blocks]).
     """
     env = read_env()
-    if env.cpu_attention == "sdpa" or not env.cpu_amx:
+    if env.cpu_attention == "sdpa":
         return None
-    lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "prefill attention (AMX)")
+    lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "prefill attention (AMX)") if env.cpu_amx else None
+    if lib is None and env.cpu_bf16_linear:
+        lib = load_bf16_library(_AVX512_SOURCE, "prefill attention (AVX512-BF16)", "aserve_prefill_attention_available")
     if lib is None:
         return None
     fn = lib.aserve_prefill_attention

@@ -1,0 +1,169 @@
+/* What the two prefill-attention kernels share: cpu_prefill_attention.c (AMX tiles) and
+ * cpu_prefill_attention_avx512.c (AVX512-BF16), which differ only in how they compute the
+ * two products of a block of query rows. The first says what the kernel computes and
+ * why; this file holds the key and value layouts, the softmax between the products, and
+ * the entry point's task loop, which calls the including file's row_block. */
+#ifndef ASERVE_CPU_PREFILL_COMMON_H
+#define ASERVE_CPU_PREFILL_COMMON_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#define MAX_D 256
+
+/* Where key (or value) j of a task lies: rows `stride` apart from `base`, or, with a
+ * block table, in the paged cache. */
+typedef struct {
+    const uint16_t *base;
+    int64_t stride;
+    const int64_t *table; /* NULL: rows of base */
+    int64_t block_size, stride_block, stride_token;
+} KeyRows;
+
+static inline const uint16_t *key_row(const KeyRows *src, int64_t j) {
+    if (!src->table) return src->base + j * src->stride;
+    return src->base + src->table[j / src->block_size] * src->stride_block + (j % src->block_size) * src->stride_token;
+}
+
+/* K^T blocks: kt[(j * DC + c) * 256 + r * 16 + n] (32-bit words) = the pair of dimensions
+ * 32c + 2r, 32c + 2r + 1 of key 16j + n (zeros past len). */
+static void layout_keys(const KeyRows *k, int64_t len, int64_t D, uint32_t *kt) {
+    const int64_t DC = D / 32, blocks = (len + 15) / 16;
+    for (int64_t j = 0; j < blocks; j++)
+        for (int64_t n = 0; n < 16; n++) {
+            const int64_t key = 16 * j + n;
+            for (int64_t c = 0; c < DC; c++) {
+                uint32_t *dst = kt + (j * DC + c) * 256 + n;
+                if (key < len) {
+                    const uint32_t *src = (const uint32_t *)(key_row(k, key) + 32 * c);
+                    for (int r = 0; r < 16; r++) dst[r * 16] = src[r];
+                } else {
+                    for (int r = 0; r < 16; r++) dst[r * 16] = 0;
+                }
+            }
+        }
+}
+
+/* V blocks: vv[(b * DT + t) * 256 + r * 16 + n] (32-bit words) = (v[32b + 2r][16t + n],
+ * v[32b + 2r + 1][16t + n]) as a bf16 pair, low half first (zeros past len). */
+static void layout_values(const KeyRows *v, int64_t len, int64_t D, uint32_t *vv) {
+    const int64_t DT = D / 16, blocks = (len + 31) / 32;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int r = 0; r < 16; r++) {
+            const int64_t k0 = 32 * b + 2 * r, k1 = k0 + 1;
+            const uint16_t *row0 = k0 < len ? key_row(v, k0) : NULL, *row1 = k1 < len ? key_row(v, k1) : NULL;
+            for (int64_t t = 0; t < DT; t++) {
+                const __m512i lo = row0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row0 + 16 * t)))
+                                        : _mm512_setzero_si512();
+                const __m512i hi = row1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row1 + 16 * t)))
+                                        : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)(vv + (b * DT + t) * 256 + r * 16), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+}
+
+/* exp for the softmax weights, which are rounded to bf16 (8 bits of mantissa) before
+ * the second product and summed in float32: one-step range reduction and a degree-5
+ * polynomial (relative error about 1e-5 over the range the scores take), three
+ * operations fewer than vf_exp_clamped's float32-exact form. */
+static inline __m512 exp_weights(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.6931471805599453f), x);
+    __m512 p = _mm512_set1_ps(1.0f / 120.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The softmax of a block of query rows between the two products: s (rows x width
+ * floats, the scores of keys 0 .. ctx + q0 + i for row i) -> p (rows x width bf16, the
+ * weights rounded, zeros past each row's last key up to 32 * pblocks), and inv_sum (1 / the
+ * sum of each row's unrounded weights). */
+static void softmax_rows(const float *s, uint16_t *p, int rows, int64_t width, int64_t ctx, int64_t q0,
+                         int64_t pblocks, float scale, float *inv_sum) {
+    for (int i = 0; i < rows; i++) {
+        const float *row = s + i * width;
+        uint16_t *prow = p + i * width;
+        const int64_t n = ctx + q0 + i + 1;
+        __m512 mx = _mm512_set1_ps(-3.0e38f);
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+        float m = _mm512_reduce_max_ps(mx);
+        for (; t < n; t++) m = row[t] > m ? row[t] : m;
+        const __m512 ms = _mm512_set1_ps(m * scale), sc = _mm512_set1_ps(scale);
+        __m512 acc = _mm512_setzero_ps();
+        for (t = 0; t < n; t += 16) {
+            const __mmask16 valid = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms)));
+            acc = _mm512_add_ps(acc, e);
+            _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
+        }
+        for (; t < 32 * pblocks; t += 16) _mm256_storeu_si256((__m256i *)(prow + t), _mm256_setzero_si256());
+        inv_sum[i] = 1.0f / _mm512_reduce_add_ps(acc);
+    }
+}
+
+/* The including file's product of rows q0 .. q0 + rows - 1 (rows <= 16) of one query head:
+ * see row_block in cpu_prefill_attention.c. */
+typedef void (*row_block_fn)(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0,
+                             int rows, int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv,
+                             float *s, uint16_t *p, int64_t width);
+
+/* The entry point's body, over the including file's row_block (and task_done, run at the
+ * end of each task by the thread that ran it, or NULL). Returns 0, or -1 for a shape it does not take (D not a multiple of 32 or over MAX_D, Hq
+ * not a multiple of Hk) or when scratch memory cannot be had. */
+static int prefill_run(row_block_fn row_block, void (*task_done)(void), const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                             const uint16_t *v, int64_t v_stride, uint16_t *out, int64_t out_stride,
+                             const int64_t *starts, const int64_t *lens, const int64_t *ctx, int64_t n_prompts,
+                             const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
+                             int64_t max_blocks, int64_t block_size, int64_t stride_block, int64_t stride_token,
+                             int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
+    if (D % 32 || D > MAX_D || Hk < 1 || Hq % Hk) return -1;
+    const int64_t group = Hq / Hk, tasks = n_prompts * Hk;
+    int failed = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1 && tasks > 1) reduction(| : failed)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t i = task / Hk, h = task % Hk, start = starts[i], len = lens[i];
+        const int64_t c0 = ctx ? ctx[i] : 0, total = c0 + len;
+        if (len <= 0) continue;
+        const int64_t padded = (total + 31) / 32 * 32;
+        /* kt, vv: padded x D bf16 each; s: 16 x padded floats; p: 16 x padded bf16. */
+        char *scratch = aligned_alloc(64, (size_t)(padded * D * 4 + 16 * padded * 6));
+        if (!scratch) {
+            failed |= 1;
+            continue;
+        }
+        uint32_t *kt = (uint32_t *)scratch, *vv = (uint32_t *)(scratch + padded * D * 2);
+        float *s = (float *)(scratch + padded * D * 4);
+        uint16_t *p = (uint16_t *)(scratch + padded * D * 4 + 16 * padded * 4);
+        KeyRows ks = {k + start * k_stride + h * D, k_stride, NULL, 0, 0, 0};
+        KeyRows vs = {v + start * v_stride + h * D, v_stride, NULL, 0, 0, 0};
+        if (c0 > 0) {
+            const int64_t *table = block_tables + i * max_blocks;
+            ks = (KeyRows){k_cache + h * D, 0, table, block_size, stride_block, stride_token};
+            vs = (KeyRows){v_cache + h * D, 0, table, block_size, stride_block, stride_token};
+        }
+        layout_keys(&ks, total, D, kt);
+        layout_values(&vs, total, D, vv);
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t hq = h * group + g;
+            for (int64_t q0 = 0; q0 < len; q0 += 16)
+                row_block(q + start * q_stride + hq * D, q_stride, out + start * out_stride + hq * D, out_stride, q0,
+                          (int)(len - q0 < 16 ? len - q0 : 16), c0, D, scale, kt, vv, s, p, padded);
+        }
+        if (task_done) task_done();
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+#endif

@@ -1,0 +1,14 @@
+"""Skip marks for tests of CPU kernels, each naming the instructions the CPU lacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from aserve.kernels import amx_linear, bf16_linear
+
+needs_amx = pytest.mark.skipif(not amx_linear.cpu_has_amx(),
+                               reason="this CPU has no AMX (amx_tile, amx_bf16): the AMX kernels cannot run on it")
+needs_avx512_bf16 = pytest.mark.skipif(not bf16_linear.cpu_supported(),
+                                       reason="this CPU lacks AVX512-BF16 (avx512f, avx512_bf16)")
+needs_bf16_kernel = pytest.mark.skipif(not (amx_linear.cpu_has_amx() or bf16_linear.cpu_supported()),
+                                       reason="this CPU has neither AMX nor AVX512-BF16: no bf16 kernel runs on it")

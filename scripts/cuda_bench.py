@@ -170,7 +170,7 @@ def main() -> None:
             eager_step, eager_tokens = decode_steps(path, device=args.device, dtype=args.dtype, batch=batch,
                                                     eager=True)
             check(results, f"{name} decode step, batch {batch}", graphs_ms=round(graph_step * 1e3, 3),
-                  eager_ms=round(eager_step * 1e3, 3), floor_ms=round(floor * 1e3, 4),
+                  eager_ms=round(eager_step * 1e3, 3), floor_ms=round(floor * 1e3, 6),
                   graphs_over_floor=round(graph_step / floor, 2), weight_mb=round(weights / 1e6),
                   kv_mb=round(kv / 1e6))
             same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))

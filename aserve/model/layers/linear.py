@@ -35,7 +35,8 @@ def _cpu_linear_packing_works(dtype: torch.dtype) -> bool:
 
 class PackedMatmul:
     """``x W^T``: ``F.linear`` until :func:`prepack_linears` picks a faster form for
-    CPU: bf16 on AMX tiles (:mod:`aserve.kernels.amx_linear`), oneDNN on a prepacked
+    CPU: bf16 on AMX tiles (:mod:`aserve.kernels.amx_linear`; on a CPU with AVX512-BF16 and
+    no AMX the same tiled copy on :mod:`aserve.kernels.bf16_linear`), oneDNN on a prepacked
     weight (about 1.5x faster than ``F.linear`` at decode batch sizes, where
     ``F.linear`` would reorder a bf16 weight into oneDNN's blocked layout on every
     call), or, for float32 weights, the AVX2 kernel of :mod:`aserve.kernels.f32_linear`

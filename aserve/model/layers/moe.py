@@ -86,7 +86,7 @@ class Experts(nn.Module):
 
     def pack_weights(self, amx: Any, f32: Any, onednn: bool) -> str | None:
         """Give every expert's weights the form the dense linear layers get
-        (:func:`~aserve.model.layers.linear.prepack_linears`): bf16 on AMX tiles, float32
+        (:func:`~aserve.model.layers.linear.prepack_linears`): bf16 on AMX tiles (or AVX512-BF16), float32
         in the AVX2 kernel's panels, else oneDNN's prepacked layout. A decode step reads
         every expert's weights once (32 tokens over 8 experts touch them all), so the
         step is bound by how fast they stream: on two AVX2 cores the 150M MoE's eight

@@ -212,7 +212,7 @@ class MissingLayer(nn.Module):
 def _stack_weight(lin: ColumnParallelLinear | RowParallelLinear,
                   kernel: LlamaDecodeKernel) -> tuple[torch.Tensor, int, int] | None:
     """``(weight, output width, output features)`` of ``lin`` as ``kernel`` takes it, or
-    None when ``lin`` is not in that form: bf16, the AMX-packed weight (its width padded
+    None when ``lin`` is not in that form: bf16, the tiled weight of the AMX or AVX512-BF16 kernel (its width padded
     to 32); float32, the AVX2 kernel's packed weight."""
     if kernel.dtype == torch.bfloat16:
         return None if lin.amx is None else (lin.amx_weight, padded_width(lin.out_rows), lin.out_rows)
@@ -290,8 +290,8 @@ class LlamaModel(nn.Module):
         """Run decode steps through ``kernel`` (one C call for every layer) if this
         model's layers are exactly what it computes: Llama layers (no biases but on
         q/k/v, as Qwen2 has; Qwen3's per-head q/k norms), every linear in the kernel's
-        form (bf16: on AMX; float32: on the AVX2 kernel), the C norm, rotary
-        and SiLU kernels attached; with tensor parallelism on AMX, a hidden size that is
+        form (bf16: on AMX or AVX512-BF16; float32: on the float32 kernel), the C norm, rotary
+        and SiLU kernels attached; with tensor parallelism in bf16, a hidden size that is
         a multiple of 32 (the summed outputs are then unpadded). Returns whether it was
         attached (the stack checks the weights' dtype)."""
         layers = list(self.layers)

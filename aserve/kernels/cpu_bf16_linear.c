@@ -34,6 +34,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BF16_LINEAR_AVAILABLE 1
+#include "cpu_bf16_block.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -53,105 +54,12 @@ void aserve_bf16_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_
 /* Rows of x in a prefill item; 192 rows of a K = 1,024 x are 384 KiB, and the item's
  * weights (two pairs, 128 KiB at K = 1,024) stay in L2 while they pass. */
 #define PANEL_ROWS 192
-#define PF_HINT _MM_HINT_T1 /* into L2: see bf16_decode_item */
-
-static inline __m512bh pair_of_x(const uint16_t *x) { /* x[0], x[1] in every 32-bit lane */
-    int32_t v;
-    memcpy(&v, x, sizeof v);
-    return (__m512bh)_mm512_set1_epi32(v);
-}
-
 /* Rows of float sums (64 apart in acc) -> bf16, rounded to nearest even, into y. */
 static void store_rows(const float *acc, int64_t rows, int cols, uint16_t *y, int64_t ldy) {
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < cols; c += 16)
             _mm256_storeu_si256((__m256i *)(y + r * ldy + c), to_bf16x16(_mm512_load_ps(acc + r * 64 + c)));
 }
-
-#define BF16_ROW(R)                                                                                                  \
-    if (MRV > R) {                                                                                                  \
-        const __m512bh a = pair_of_x(x + R * ldx + k2);                                                             \
-        c##R##0 = _mm512_dpbf16_ps(c##R##0, a, b0);                                                                 \
-        c##R##1 = _mm512_dpbf16_ps(c##R##1, a, b1);                                                                 \
-        if (NT > 2) {                                                                                               \
-            c##R##2 = _mm512_dpbf16_ps(c##R##2, a, b2);                                                             \
-            c##R##3 = _mm512_dpbf16_ps(c##R##3, a, b3);                                                             \
-        }                                                                                                           \
-    }
-/* Software prefetch of the next pass's weights, spread over this pass's iterations:
- * lines [next, end) of two runs of PF_RUN_LINES lines (one per pair; `b` may be NULL). */
-#define PF_RUN_LINES 128
-typedef struct {
-    const char *a, *b;
-    int64_t next, end;
-    int per_iter;
-} prefetch_run;
-
-static inline void prefetch_some(prefetch_run *pr) {
-    for (int i = 0; i < pr->per_iter && pr->next < pr->end; i++, pr->next++) {
-        const char *base = pr->next < PF_RUN_LINES ? pr->a : pr->b;
-        if (base) _mm_prefetch(base + 64 * (pr->next % PF_RUN_LINES), PF_HINT);
-    }
-}
-
-/* MRV (1-6) rows of x against NT (2 or 4) tiles, over chunks [kc0, kc0 + nkc) of K: the
- * pair at w (all of K, KC blocks) and, for NT = 4, the next pair, KC blocks on. The sums
- * start from `acc` (float, rows 64 apart), or from zero when `first`, and end there;
- * each iteration also issues its share of `pr`'s prefetches. */
-#define BF16_LOAD_ACC(R)                                                                                              \
-    if (MRV > R && !first) {                                                                                        \
-        c##R##0 = _mm512_loadu_ps(acc + R * 64);                                                                    \
-        c##R##1 = _mm512_loadu_ps(acc + R * 64 + 16);                                                               \
-        if (NT > 2) {                                                                                               \
-            c##R##2 = _mm512_loadu_ps(acc + R * 64 + 32);                                                           \
-            c##R##3 = _mm512_loadu_ps(acc + R * 64 + 48);                                                           \
-        }                                                                                                           \
-    }
-#define BF16_SAVE_ACC(R)                                                                                              \
-    if (MRV > R) {                                                                                                  \
-        _mm512_storeu_ps(acc + R * 64, c##R##0);                                                                    \
-        _mm512_storeu_ps(acc + R * 64 + 16, c##R##1);                                                               \
-        if (NT > 2) {                                                                                               \
-            _mm512_storeu_ps(acc + R * 64 + 32, c##R##2);                                                           \
-            _mm512_storeu_ps(acc + R * 64 + 48, c##R##3);                                                           \
-        }                                                                                                           \
-    }
-#define BF16_ACC_BLOCK(MRV_, NT_)                                                                                    \
-    static void bf16_acc_block_##MRV_##_##NT_(const uint16_t *x, int64_t ldx, const uint16_t *w, float *acc,        \
-                                              int64_t KC, int64_t kc0, int64_t nkc, int first, prefetch_run *pr) {  \
-        enum { MRV = MRV_, NT = NT_ };                                                                              \
-        const __m512 z = _mm512_setzero_ps();                                                                       \
-        __m512 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z,    \
-               c23 = z, c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z,   \
-               c52 = z, c53 = z;                                                                                    \
-        BF16_LOAD_ACC(0) BF16_LOAD_ACC(1) BF16_LOAD_ACC(2) BF16_LOAD_ACC(3) BF16_LOAD_ACC(4) BF16_LOAD_ACC(5)        \
-        const uint16_t *w2 = w + KC * 1024;                                                                         \
-        for (int64_t kc = kc0; kc < kc0 + nkc; kc++) {                                                              \
-            const uint16_t *t0 = w + kc * 1024, *t2 = w2 + kc * 1024;                                               \
-            for (int r = 0; r < 16; r++) {                                                                          \
-                const int64_t k2 = kc * 32 + 2 * r;                                                                 \
-                const __m512bh b0 = (__m512bh)_mm512_loadu_si512(t0 + r * 32);                                     \
-                const __m512bh b1 = (__m512bh)_mm512_loadu_si512(t0 + 512 + r * 32);                               \
-                const __m512bh b2 = NT > 2 ? (__m512bh)_mm512_loadu_si512(t2 + r * 32) : b0;                        \
-                const __m512bh b3 = NT > 2 ? (__m512bh)_mm512_loadu_si512(t2 + 512 + r * 32) : b0;                  \
-                BF16_ROW(0) BF16_ROW(1) BF16_ROW(2) BF16_ROW(3) BF16_ROW(4) BF16_ROW(5)                             \
-                prefetch_some(pr);                                                                                  \
-            }                                                                                                       \
-        }                                                                                                           \
-        BF16_SAVE_ACC(0) BF16_SAVE_ACC(1) BF16_SAVE_ACC(2) BF16_SAVE_ACC(3) BF16_SAVE_ACC(4) BF16_SAVE_ACC(5)        \
-    }
-#define BF16_ACC_BLOCKS(NT) BF16_ACC_BLOCK(1, NT) BF16_ACC_BLOCK(2, NT) BF16_ACC_BLOCK(3, NT) BF16_ACC_BLOCK(4, NT) \
-    BF16_ACC_BLOCK(5, NT) BF16_ACC_BLOCK(6, NT)
-BF16_ACC_BLOCKS(2)
-BF16_ACC_BLOCKS(4)
-
-typedef void (*bf16_acc_block_fn)(const uint16_t *, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t,
-                                  int, prefetch_run *);
-static const bf16_acc_block_fn BF16_ACC_BLOCK_TABLE[2][7] = {
-    {NULL, bf16_acc_block_1_2, bf16_acc_block_2_2, bf16_acc_block_3_2, bf16_acc_block_4_2, bf16_acc_block_5_2,
-     bf16_acc_block_6_2},
-    {NULL, bf16_acc_block_1_4, bf16_acc_block_2_4, bf16_acc_block_3_4, bf16_acc_block_4_4, bf16_acc_block_5_4,
-     bf16_acc_block_6_4}};
 
 /* K chunks of 32 a decode pass takes before moving to the next rows: 4 KiB of weights a
  * chunk for two pairs, so a pass's weights (16 KiB) stay in L1 while every row block
@@ -176,6 +84,7 @@ static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp,
     float acc[32 * 64] __attribute__((aligned(64)));
     const int four = p + 1 < pairs;
     const uint16_t *w = wp + p * KC * 1024;
+    const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512}; /* the two pairs' tiles */
     const int64_t blocks = (M + 5) / 6;
     for (int64_t kc0 = 0; kc0 < KC; kc0 += DECODE_KC) {
         const int64_t nkc = KC - kc0 < DECODE_KC ? KC - kc0 : DECODE_KC;
@@ -194,7 +103,8 @@ static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp,
         pr.per_iter = (int)((pr.end + iters - 1) / iters);
         for (int64_t r = 0; r < M; r += 6) {
             const int mr = (int)(M - r < 6 ? M - r : 6);
-            BF16_ACC_BLOCK_TABLE[four][mr](x + r * ldx, ldx, w, acc + r * 64, KC, kc0, nkc, kc0 == 0, &pr);
+            BF16_BLOCK_TABLE[mr - 1][four ? 3 : 1](x + r * ldx, ldx, tiles, 1024, kc0, nkc, acc + r * 64, 64,
+                                                   kc0 == 0, &pr);
         }
     }
     store_rows(acc, M, four ? 64 : 32, y + 32 * p, ldy);
@@ -209,9 +119,10 @@ static void bf16_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16
     prefetch_run none = {NULL, NULL, 0, 0, 0};
     const int four = p + 1 < pairs;
     const uint16_t *w = wp + p * KC * 1024;
+    const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512};
     for (int64_t r = m0; r < m1; r += 6) {
         const int mr = (int)(m1 - r < 6 ? m1 - r : 6);
-        BF16_ACC_BLOCK_TABLE[four][mr](x + r * ldx, ldx, w, acc, KC, 0, KC, 1, &none);
+        BF16_BLOCK_TABLE[mr - 1][four ? 3 : 1](x + r * ldx, ldx, tiles, 1024, 0, KC, acc, 64, 1, &none);
         store_rows(acc, mr, four ? 64 : 32, y + r * ldy + 32 * p, ldy);
     }
 }

@@ -5,10 +5,9 @@
  *
  * Why: there torch's CPU flash kernel took 1.1 of a 152M model's 2.6 s prefill of 2,048
  * tokens (~47 GFLOP/s; the linear layers ran at ~430). Both products here are the bf16
- * linear kernel's register block (cpu_bf16_linear.c): up to 6 query rows by 4 tiles of
- * 16 outputs, 24 float accumulators, per pair of the summed dimension 4 loads of the
- * layout's 64-byte rows (exactly a vdpbf16ps operand: 16 lanes of a pair each) and 6
- * broadcasts of the rows' pairs.
+ * linear kernel's register block (cpu_bf16_block.h): up to 6 query rows by 4 tiles of
+ * 16 outputs, 24 float accumulators; the AMX layouts' 64-byte rows are exactly its
+ * vdpbf16ps operands.
  *   S = Q K^T: the outputs are keys (tiles of 16 keys), summed over D;
  *   O = P V:   the outputs are D (tiles of 16 columns), summed over the keys.
  */
@@ -20,71 +19,22 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PREFILL_AVX512_AVAILABLE 1
+#include "cpu_bf16_block.h"
 
-/* c[i][t] += A row i's pair kp . B tile t's row for kp, for kp < KP: A rows lda bf16
- * apart; tile t's row for pair kp at b + t * tile_stride + (kp / 16) * chunk_stride +
- * (kp % 16) * 16 (32-bit words). Sums into out (float, rows ld apart, tile t at column
- * 16 t), overwriting it. */
-#define PA_ROW(R)                                                                                                    \
-    if (MR > R) {                                                                                                   \
-        uint32_t w_;                                                                                                \
-        memcpy(&w_, a + R * lda + 2 * kp, 4);                                                                       \
-        const __m512bh x = (__m512bh)_mm512_set1_epi32((int)w_);                                                    \
-        c##R##0 = _mm512_dpbf16_ps(c##R##0, x, b0);                                                                 \
-        if (NT > 1) c##R##1 = _mm512_dpbf16_ps(c##R##1, x, b1);                                                     \
-        if (NT > 2) c##R##2 = _mm512_dpbf16_ps(c##R##2, x, b2);                                                     \
-        if (NT > 3) c##R##3 = _mm512_dpbf16_ps(c##R##3, x, b3);                                                     \
-    }
-#define PA_STORE(R)                                                                                                  \
-    if (MR > R) {                                                                                                   \
-        _mm512_storeu_ps(out + R * ld, c##R##0);                                                                    \
-        if (NT > 1) _mm512_storeu_ps(out + R * ld + 16, c##R##1);                                                   \
-        if (NT > 2) _mm512_storeu_ps(out + R * ld + 32, c##R##2);                                                   \
-        if (NT > 3) _mm512_storeu_ps(out + R * ld + 48, c##R##3);                                                   \
-    }
-#define PA_BLOCK(MR_, NT_)                                                                                           \
-    static void pa_block_##MR_##_##NT_(const uint16_t *a, int64_t lda, const uint32_t *b, int64_t tile_stride,     \
-                                       int64_t chunk_stride, int64_t KP, float *out, int64_t ld) {                  \
-        enum { MR = MR_, NT = NT_ };                                                                                \
-        const __m512 z = _mm512_setzero_ps();                                                                       \
-        __m512 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z,    \
-               c23 = z, c30 = z, c31 = z, c32 = z, c33 = z, c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z,   \
-               c52 = z, c53 = z;                                                                                    \
-        for (int64_t kc = 0; kc * 16 < KP; kc++) {                                                                  \
-            const uint32_t *bc = b + kc * chunk_stride;                                                             \
-            for (int r = 0; r < 16; r++) {                                                                          \
-                const int64_t kp = kc * 16 + r;                                                                     \
-                const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bc + r * 16);                                     \
-                const __m512bh b1 = NT > 1 ? (__m512bh)_mm512_loadu_si512(bc + tile_stride + r * 16) : b0;         \
-                const __m512bh b2 = NT > 2 ? (__m512bh)_mm512_loadu_si512(bc + 2 * tile_stride + r * 16) : b0;     \
-                const __m512bh b3 = NT > 3 ? (__m512bh)_mm512_loadu_si512(bc + 3 * tile_stride + r * 16) : b0;     \
-                PA_ROW(0) PA_ROW(1) PA_ROW(2) PA_ROW(3) PA_ROW(4) PA_ROW(5)                                         \
-            }                                                                                                       \
-        }                                                                                                           \
-        PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5)                                     \
-    }
-#define PA_BLOCKS(MR) PA_BLOCK(MR, 1) PA_BLOCK(MR, 2) PA_BLOCK(MR, 3) PA_BLOCK(MR, 4)
-PA_BLOCKS(1)
-PA_BLOCKS(2)
-PA_BLOCKS(3)
-PA_BLOCKS(4)
-PA_BLOCKS(5)
-PA_BLOCKS(6)
-
-typedef void (*pa_block_fn)(const uint16_t *, int64_t, const uint32_t *, int64_t, int64_t, int64_t, float *, int64_t);
-#define PA_ROW_OF(MR) {pa_block_##MR##_1, pa_block_##MR##_2, pa_block_##MR##_3, pa_block_##MR##_4}
-static const pa_block_fn PA_TABLE[6][4] = {PA_ROW_OF(1), PA_ROW_OF(2), PA_ROW_OF(3), PA_ROW_OF(4), PA_ROW_OF(5),
-                                           PA_ROW_OF(6)};
-
-/* out[rows, 16 * tiles] = A[rows, 2 KP] . B, in blocks of 6 rows by 4 tiles (see PA_BLOCK). */
+/* out[rows, 16 * tiles] = A[rows, 2 KP] . B, in blocks of 6 rows by 4 tiles
+ * (cpu_bf16_block.h): tile t's chunk 0 at b + t * tile_stride, chunks chunk_stride apart
+ * (32-bit words, as the layouts count them); KP a multiple of 16. */
 static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t *b, int64_t tiles,
                        int64_t tile_stride, int64_t chunk_stride, int64_t KP, float *out, int64_t ld) {
+    prefetch_run none = {NULL, NULL, 0, 0, 0};
     for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
         const int nt = (int)(tiles - t0 < 4 ? tiles - t0 : 4);
+        const uint16_t *tile[4];
+        for (int t = 0; t < 4; t++) tile[t] = (const uint16_t *)(b + (t0 + (t < nt ? t : 0)) * tile_stride);
         for (int r0 = 0; r0 < rows; r0 += 6) {
             const int mr = rows - r0 < 6 ? rows - r0 : 6;
-            PA_TABLE[mr - 1][nt - 1](a + r0 * lda, lda, b + t0 * tile_stride, tile_stride, chunk_stride, KP,
-                                     out + r0 * ld + 16 * t0, ld);
+            BF16_BLOCK_TABLE[mr - 1][nt - 1](a + r0 * lda, lda, tile, 2 * chunk_stride, 0, KP / 16,
+                                             out + r0 * ld + 16 * t0, ld, 1, &none);
         }
     }
 }

@@ -118,15 +118,17 @@ typedef void (*row_block_fn)(const uint16_t *q, int64_t q_stride, uint16_t *out,
                              int rows, int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv,
                              float *s, uint16_t *p, int64_t width);
 
-/* The entry point's body, over the including file's row_block (and task_done, run at the
- * end of each task by the thread that ran it, or NULL). Returns 0, or -1 for a shape it does not take (D not a multiple of 32 or over MAX_D, Hq
- * not a multiple of Hk) or when scratch memory cannot be had. */
-static int prefill_run(row_block_fn row_block, void (*task_done)(void), const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                             const uint16_t *v, int64_t v_stride, uint16_t *out, int64_t out_stride,
-                             const int64_t *starts, const int64_t *lens, const int64_t *ctx, int64_t n_prompts,
-                             const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
-                             int64_t max_blocks, int64_t block_size, int64_t stride_block, int64_t stride_token,
-                             int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
+/* The entry point's body (the kernels' aserve_prefill_attention, cpu_prefill_attention.c
+ * says its arguments) over the including file's row_block, and task_done, run by each
+ * task's thread at its end (or NULL). Returns 0, or -1 for a shape it does not take (D
+ * not a multiple of 32 or over MAX_D, Hq not a multiple of Hk) or when scratch memory
+ * cannot be had. */
+static int prefill_run(row_block_fn row_block, void (*task_done)(void), const uint16_t *q, int64_t q_stride,
+                       const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, uint16_t *out,
+                       int64_t out_stride, const int64_t *starts, const int64_t *lens, const int64_t *ctx,
+                       int64_t n_prompts, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t stride_block,
+                       int64_t stride_token, int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
     if (D % 32 || D > MAX_D || Hk < 1 || Hq % Hk) return -1;
     const int64_t group = Hq / Hk, tasks = n_prompts * Hk;
     int failed = 0;

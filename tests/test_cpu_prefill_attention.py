@@ -1,7 +1,8 @@
-"""The C prefill-attention kernel (aserve/kernels/cpu_prefill_attention.py): causal
-attention of prefill chunks on AMX or AVX512-BF16 (each where the CPU runs it), fresh or
-after cached context, against a float64
-reference and torch's SDPA, and its use by paged_attention and the model runner."""
+"""The C prefill-attention kernels (aserve/kernels/cpu_prefill_attention.py): causal
+attention of prefill chunks in bf16 on AMX or AVX512-BF16, and in float32 in its AVX-512
+and AVX2 forms (each where the CPU runs it), fresh or after cached context, against a
+float64 reference and torch's SDPA, and their use by paged_attention and the model
+runner."""
 
 from __future__ import annotations
 
@@ -14,16 +15,31 @@ import torch.nn.functional as F
 from aserve import LLM, SamplingParams
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, paged_attention
 from aserve.kernels.cpu_prefill_attention import load
-from tests.cpu_marks import needs_amx, needs_avx512_bf16, needs_bf16_kernel
+from tests.cpu_marks import needs_amx, needs_avx2_fma, needs_avx512_bf16, needs_avx512f, needs_bf16_kernel
 
-pytestmark = needs_bf16_kernel
+
+class Kernel:
+    """A loaded kernel and the dtype it takes; calls go to the kernel."""
+
+    def __init__(self, fn, dtype):
+        self.fn, self.dtype = fn, dtype
+
+    def __call__(self, *args):
+        return self.fn(*args)
 
 
 @pytest.fixture(scope="module", params=[pytest.param("amx", marks=needs_amx),
-                                        pytest.param("avx512_bf16", marks=needs_avx512_bf16)])
+                                        pytest.param("avx512_bf16", marks=needs_avx512_bf16),
+                                        pytest.param("f32-avx512", marks=needs_avx512f),
+                                        pytest.param("f32-avx2", marks=needs_avx2_fma)])
 def attend(request):
-    """Each form the CPU runs: AMX, and the AVX512-BF16 one (which an AMX CPU takes with
-    ASERVE_CPU_AMX=0)."""
+    """Each form the CPU runs: AMX, the AVX512-BF16 one (which an AMX CPU takes with
+    ASERVE_CPU_AMX=0), and float32's AVX-512 and AVX2 forms (the second built with
+    -mno-avx512f on an AVX-512 CPU)."""
+    if request.param.startswith("f32"):
+        kernel = load(torch.float32, ("-mno-avx512f",) if request.param == "f32-avx2" else ())
+        assert kernel is not None
+        return Kernel(kernel, torch.float32)
     saved = os.environ.get("ASERVE_CPU_AMX")
     if request.param == "avx512_bf16":
         os.environ["ASERVE_CPU_AMX"] = "0"
@@ -35,7 +51,14 @@ def attend(request):
         else:
             os.environ["ASERVE_CPU_AMX"] = saved
     assert kernel is not None
-    return kernel
+    return Kernel(kernel, torch.bfloat16)
+
+
+def tolerance(dtype, bf16=0.01):
+    """The largest error allowed against float64: ``bf16`` for bf16 output (half an ulp
+    of values up to ~2 is 0.004, and the kernel rounds its weights to bf16 before the
+    second product, as the flash kernel does); float32 keeps every weight in float32."""
+    return bf16 if dtype == torch.bfloat16 else 2e-5
 
 
 def exact(q, k, v, scale, context_k=None, context_v=None):
@@ -71,21 +94,19 @@ def test_matches_the_exact_result_as_closely_as_sdpa(attend, set_threads, thread
     g = torch.Generator().manual_seed(sum(lens) + d)
     total = sum(lens) + 3
     # q, k and v as views of one projection output, tokens strided as in the model.
-    qkv = torch.randn(total, (hq + 2 * hk) * d, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(total, (hq + 2 * hk) * d, generator=g).to(attend.dtype)
     q = qkv[:, : hq * d].view(total, hq, d)
     k = qkv[:, hq * d : (hq + hk) * d].view(total, hk, d)
     v = qkv[:, (hq + hk) * d :].view(total, hk, d)
     starts = [2 + sum(lens[:i]) for i in range(len(lens))]  # rows 0-1 and the last belong to no prompt
-    out = torch.full((total, hq, d), 7.0, dtype=torch.bfloat16)
+    out = torch.full((total, hq, d), 7.0, dtype=attend.dtype)
     scale = d**-0.5
     attend(q, k, v, out, starts, lens, scale)
     for s, n in zip(starts, lens):
         want = exact(q[s : s + n], k[s : s + n], v[s : s + n], scale)
         err = (out[s : s + n].double() - want).abs().max().item()
         sdpa_err = (sdpa(q[s : s + n], k[s : s + n], v[s : s + n], scale).double() - want).abs().max().item()
-        # bf16 output: half an ulp of values up to ~2 is 0.004; the kernel rounds its
-        # weights to bf16 before the second product, as the flash kernel does.
-        assert err <= max(1.5 * sdpa_err, 0.008), (s, n, err, sdpa_err)
+        assert err <= tolerance(attend.dtype, max(1.5 * sdpa_err, 0.008)), (s, n, err, sdpa_err)
     for row in (0, 1, total - 1):
         assert torch.all(out[row] == 7.0)  # rows outside the prompts untouched
 
@@ -97,11 +118,11 @@ def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, t
     hq, hk, d, block, num_blocks = 8, 2, 64, 16, 64
     # (cached tokens, chunk tokens): around block and tile edges, and one fresh prompt.
     chunks = [(1, 1), (15, 2), (16, 17), (33, 40), (100, 5), (0, 9)]
-    cache = torch.randn(2, num_blocks, block, hk, d, generator=g).to(torch.bfloat16)
+    cache = torch.randn(2, num_blocks, block, hk, d, generator=g).to(attend.dtype)
     perm = torch.randperm(num_blocks - 1, generator=g) + 1  # each request's blocks scattered, block 0 unused
     total = sum(n for _, n in chunks)
-    q = torch.randn(total, hq, d, generator=g).to(torch.bfloat16)
-    k, v = torch.empty(total, hk, d, dtype=torch.bfloat16), torch.empty(total, hk, d, dtype=torch.bfloat16)
+    q = torch.randn(total, hq, d, generator=g).to(attend.dtype)
+    k, v = torch.empty(total, hk, d, dtype=attend.dtype), torch.empty(total, hk, d, dtype=attend.dtype)
     starts = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
     tables, used = [], 0
     width = max(-(-(c + n) // block) for c, n in chunks)
@@ -114,7 +135,7 @@ def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, t
             b, off = blocks[(c + t) // block], (c + t) % block
             k[start + t], v[start + t] = cache[0, b, off], cache[1, b, off]
         tables.append(torch.cat([blocks, torch.zeros(width - blocks.numel(), dtype=torch.int64)]))
-    out = torch.zeros(total, hq, d, dtype=torch.bfloat16)
+    out = torch.zeros(total, hq, d, dtype=attend.dtype)
     scale = d**-0.5
     attend(q, k, v, out, starts, [n for _, n in chunks], scale,
            ([c for c, _ in chunks], torch.stack(tables), cache[0], cache[1]))
@@ -124,19 +145,24 @@ def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, t
         ctx_v = cache[1].reshape(-1, hk, d)[rows] if c else None
         want = exact(q[s : s + n], k[s : s + n], v[s : s + n], scale, ctx_k, ctx_v)
         err = (out[s : s + n].double() - want).abs().max().item()
-        assert err < 0.01, (c, n, err)
+        assert err < tolerance(attend.dtype), (c, n, err)
 
 
 def test_refuses_shapes_it_does_not_take(attend):
-    q = torch.zeros(4, 2, 48, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="multiple of 32"):
+    other = torch.float32 if attend.dtype == torch.bfloat16 else torch.bfloat16
+    multiple = 32 if attend.dtype == torch.bfloat16 else 16
+    q = torch.zeros(4, 2, multiple + 8, dtype=attend.dtype)
+    with pytest.raises(ValueError, match=f"multiple of {multiple}"):
         attend(q, q, q, torch.empty_like(q), [0], [4], 1.0)
-    q = torch.zeros(4, 2, 32)
+    q = torch.zeros(4, 2, 32, dtype=other)
     with pytest.raises(ValueError):
         attend(q, q, q, torch.empty_like(q), [0], [4], 1.0)
-    q = torch.zeros(4, 2, 32, dtype=torch.bfloat16)
+    q = torch.zeros(4, 2, 32, dtype=attend.dtype)
     with pytest.raises(ValueError, match="past the batch"):
         attend(q, q, q, torch.empty_like(q), [2], [3], 1.0)
+    cache = torch.zeros(2, 4, 4, 2, 32, dtype=other)
+    with pytest.raises(ValueError, match="cache halves"):
+        attend(q, q, q, torch.empty_like(q), [0], [4], 1.0, ([1], torch.ones(1, 2, dtype=torch.int64), *cache))
 
 
 def test_paged_attention_sends_every_prefill_chunk_to_the_kernel(attend):
@@ -144,9 +170,9 @@ def test_paged_attention_sends_every_prefill_chunk_to_the_kernel(attend):
     hq, hk, d, block = 4, 2, 32, 4
     chunks = (PrefillChunk(0, 6, 0, None), PrefillChunk(6, 9, 4, torch.tensor([1, 2])), PrefillChunk(9, 20, 0, None))
     total = 20
-    q, k, v = (torch.randn(total, h, d, generator=g).to(torch.bfloat16) for h in (hq, hk, hk))
-    cache = torch.zeros(2, 16, block, hk, d, dtype=torch.bfloat16)
-    context = torch.randn(2, 4, hk, d, generator=g).to(torch.bfloat16)
+    q, k, v = (torch.randn(total, h, d, generator=g).to(attend.dtype) for h in (hq, hk, hk))
+    cache = torch.zeros(2, 16, block, hk, d, dtype=attend.dtype)
+    context = torch.randn(2, 4, hk, d, generator=g).to(attend.dtype)
     cache[:, 1] = context  # block 1: the 4 cached tokens of the second chunk
     slots = torch.arange(total) + 3 * block
     slots[6:9] = torch.arange(2 * block, 2 * block + 3)  # the chunk continues in block 2
@@ -162,7 +188,7 @@ def test_paged_attention_sends_every_prefill_chunk_to_the_kernel(attend):
     for c in chunks:
         ctx = (context[0], context[1]) if c.block_ids is not None else (None, None)
         want = exact(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end], d**-0.5, *ctx)
-        assert (got[c.start : c.end].double() - want).abs().max().item() < 0.01
+        assert (got[c.start : c.end].double() - want).abs().max().item() < tolerance(attend.dtype)
 
 
 def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
@@ -170,9 +196,11 @@ def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
     return torch.tensor([entry[prompt[pos]].logprob for pos, entry in enumerate(out.prompt_logprobs[1:], start=1)])
 
 
-def test_the_bf16_runner_uses_it_and_agrees_with_sdpa(llama_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16_kernel),
+                                   pytest.param("float32", marks=needs_avx2_fma)])
+def test_the_runner_uses_it_and_agrees_with_sdpa(llama_dir, monkeypatch, dtype):
     prompt = [(7 * i + 3) % 200 + 10 for i in range(45)]
-    llm = LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)
+    llm = LLM(str(llama_dir), dtype=dtype, kv_cache_memory=1 << 24)
     runner = llm.engine.executor.worker.runner
     assert runner.prefill_kernel is not None
     calls = []
@@ -181,11 +209,13 @@ def test_the_bf16_runner_uses_it_and_agrees_with_sdpa(llama_dir, monkeypatch):
     with_kernel = _prompt_logprobs(llm, prompt)
     assert calls and all(lens == [45] for lens in calls)  # once a layer, the whole prompt
     monkeypatch.setenv("ASERVE_CPU_ATTENTION", "sdpa")
-    plain = LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)
+    plain = LLM(str(llama_dir), dtype=dtype, kv_cache_memory=1 << 24)
     assert plain.engine.executor.worker.runner.prefill_kernel is None
-    assert (with_kernel - _prompt_logprobs(plain, prompt)).abs().max().item() < 0.05
+    assert (with_kernel - _prompt_logprobs(plain, prompt)).abs().max().item() < (0.05 if dtype == "bfloat16" else 1e-4)
 
 
-def test_not_loaded_for_float32(llama_dir):
-    llm = LLM(str(llama_dir), dtype="float32", kv_cache_memory=1 << 24)
+@needs_avx2_fma
+def test_not_loaded_for_a_cache_of_another_dtype(llama_dir):
+    """A float32 model over a bf16 cache keeps SDPA: each kernel reads a cache of its own dtype."""
+    llm = LLM(str(llama_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory=1 << 24)
     assert llm.engine.executor.worker.runner.prefill_kernel is None

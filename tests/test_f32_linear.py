@@ -10,11 +10,8 @@ import torch
 
 from aserve import LLM
 from aserve.kernels import f32_linear
-from aserve.kernels.cbuild import cpu_flags
-
-needs_kernel = pytest.mark.skipif(not f32_linear.cpu_supported(), reason="needs AVX2 and FMA (this CPU lacks them)")
-needs_avx512 = pytest.mark.skipif(not (cpu_flags() or frozenset()) >= {"avx512f", "avx2", "fma"},
-                                  reason="needs AVX-512F (this CPU lacks it)")
+from tests.cpu_marks import needs_avx2_fma as needs_kernel
+from tests.cpu_marks import needs_avx512f as needs_avx512
 
 
 def test_which_cpus_it_is_for():

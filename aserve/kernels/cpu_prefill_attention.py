@@ -1,7 +1,8 @@
-"""Builds and calls the C prefill-attention kernel (``cpu_prefill_attention.c``): causal
-attention of a step's prefill chunks, bf16, on AMX tiles, or, on a CPU with AVX512-BF16
-and no AMX, its ``vdpbf16ps`` form (``cpu_prefill_attention_avx512.c``, the same
-contract).
+"""Builds and calls the C prefill-attention kernels: causal attention of a step's prefill
+chunks. bf16 runs on AMX tiles (``cpu_prefill_attention.c``), or, on a CPU with
+AVX512-BF16 and no AMX, in its ``vdpbf16ps`` form (``cpu_prefill_attention_avx512.c``,
+the same contract); float32 in AVX-512F or AVX2 + FMA (``cpu_prefill_attention_f32.c``,
+the same contract in floats).
 
 torch's CPU flash kernel, called once per prompt, ran a 7M model's prefill attention at
 ~110 GFLOP/s; the C kernel does both products on AMX and takes every prefill chunk of a
@@ -9,9 +10,14 @@ step in one call. A chunk after cached context (a prefix hit, or a later chunk o
 prompt) reads its keys and values from the paged cache, where SDPA needed them gathered
 into a copy first.
 
+In float32 the flash kernel ran a 7M model's 2,048-token prompt at ~44 GFLOP/s on one
+Zen 4 core, about 60% of that prompt's prefill; the float32 kernel is a register block of
+float32 FMAs over a K^T layout, with float32 weights between the products.
+
 Built on first use like the other kernels (:mod:`aserve.kernels.cbuild`). :func:`load`
-returns None without AMX or AVX512-BF16 (or with both switched off: ``ASERVE_CPU_AMX=0``,
-``ASERVE_CPU_BF16_LINEAR=0``), without a compiler, or with ``ASERVE_CPU_ATTENTION=sdpa``.
+returns None without a compiler, with ``ASERVE_CPU_ATTENTION=sdpa``, and: for bf16
+without AMX or AVX512-BF16 (or with both switched off: ``ASERVE_CPU_AMX=0``,
+``ASERVE_CPU_BF16_LINEAR=0``); for float32 without AVX2 and FMA.
 """
 
 from __future__ import annotations
@@ -25,46 +31,72 @@ import torch
 from aserve.envs import read_env
 from aserve.kernels.amx_linear import load_amx_library
 from aserve.kernels.bf16_linear import load_library_checked as load_bf16_library
+from aserve.kernels.cbuild import load_library
+from aserve.kernels.f32_linear import cpu_supported as f32_cpu_supported
 
 _SOURCE = Path(__file__).with_name("cpu_prefill_attention.c")
 _AVX512_SOURCE = Path(__file__).with_name("cpu_prefill_attention_avx512.c")
+_F32_SOURCE = Path(__file__).with_name("cpu_prefill_attention_f32.c")
 MAX_HEAD_DIM = 256
+#: What head_dim must be a multiple of, by dtype.
+_D_MULTIPLE = {torch.bfloat16: 32, torch.float32: 16}
 
 #: ``attend(q, k, v, out, starts, lens, scale, context=None)``: see :func:`load`.
 PrefillAttention = Callable[..., None]
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the kernel takes queries and keys of these shapes and dtype."""
+    """Whether the kernel of q's dtype takes queries and keys of these shapes and dtype
+    (the runner loads the kernel of its model's dtype)."""
     d = q.shape[-1]
-    return (q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and d % 32 == 0 and d <= MAX_HEAD_DIM
+    multiple = _D_MULTIPLE.get(q.dtype)
+    return (multiple is not None and k.dtype == q.dtype and d % multiple == 0 and d <= MAX_HEAD_DIM
             and q.shape[1] % k.shape[1] == 0)
 
 
-def load() -> PrefillAttention | None:
-    """The kernel as ``attend(q, k, v, out, starts, lens, scale, context=None)``, or None
-    where it is unavailable or switched off.
+def _load_library(dtype: torch.dtype, extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The library of ``dtype``'s kernel, or None where it is unavailable or switched off."""
+    env = read_env()
+    if env.cpu_attention == "sdpa":
+        return None
+    if dtype == torch.float32:
+        if not f32_cpu_supported():
+            return None
+        lib = load_library(_F32_SOURCE, env.cache_dir / "kernels", "prefill attention (float32)", extra_flags)
+        if lib is None:
+            return None
+        lib.aserve_prefill_attention_f32_available.restype = ctypes.c_int
+        return lib if lib.aserve_prefill_attention_f32_available() else None
+    lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "prefill attention (AMX)") if env.cpu_amx else None
+    if lib is None and env.cpu_bf16_linear:
+        lib = load_bf16_library(_AVX512_SOURCE, "prefill attention (AVX512-BF16)", "aserve_prefill_attention_available")
+    return lib
 
-    ``q``, ``out``: [T, Hq, D]; ``k``, ``v``: [T, Hk, D], all bf16 with heads and D
-    contiguous (tokens may be strided), Hq a multiple of Hk and D of 32 (see
-    :func:`supports`). Chunk ``i`` is tokens ``starts[i] .. starts[i] + lens[i] - 1``;
+
+def load(dtype: torch.dtype = torch.bfloat16, extra_flags: tuple[str, ...] = ()) -> PrefillAttention | None:
+    """The kernel of ``dtype`` (bfloat16 or float32) as ``attend(q, k, v, out, starts,
+    lens, scale, context=None)``, or None where it is unavailable or switched off.
+    ``extra_flags``: for the float32 kernel's compiler (tests build its AVX2 form on an
+    AVX-512 CPU with ``-mno-avx512f``).
+
+    ``q``, ``out``: [T, Hq, D]; ``k``, ``v``: [T, Hk, D], all of ``dtype`` with heads and
+    D contiguous (tokens may be strided), Hq a multiple of Hk and D of 32 for bf16, of 16
+    for float32 (see :func:`supports`). Chunk ``i`` is tokens ``starts[i] .. starts[i] + lens[i] - 1``;
     its rows of ``out`` are written, other rows are left alone. Without ``context`` each
     chunk is a whole prompt: its tokens attend causally to each other. ``context`` is
     ``(ctx_lens, block_table, k_cache, v_cache)``: chunk ``i`` then follows
     ``ctx_lens[i]`` cached tokens, and when that is over 0 its keys and values, the
     cached ones and its own (already written there), are read from the paged cache
-    halves ([blocks, block_size, Hk, D]) through row ``i`` of ``block_table`` (int64
-    [n, max_blocks]).
+    halves ([blocks, block_size, Hk, D], of ``dtype``) through row ``i`` of
+    ``block_table`` (int64 [n, max_blocks]).
     """
-    env = read_env()
-    if env.cpu_attention == "sdpa":
-        return None
-    lib = load_amx_library(_SOURCE, env.cache_dir / "kernels", "prefill attention (AMX)") if env.cpu_amx else None
-    if lib is None and env.cpu_bf16_linear:
-        lib = load_bf16_library(_AVX512_SOURCE, "prefill attention (AVX512-BF16)", "aserve_prefill_attention_available")
+    if dtype not in _D_MULTIPLE:
+        raise ValueError(f"no prefill attention kernel for {dtype}")
+    lib = _load_library(dtype, extra_flags)
     if lib is None:
         return None
-    fn = lib.aserve_prefill_attention
+    fn = lib.aserve_prefill_attention_f32 if dtype == torch.float32 else lib.aserve_prefill_attention
+    name = "float32" if dtype == torch.float32 else "bf16"
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                    i64, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -73,9 +105,10 @@ def load() -> PrefillAttention | None:
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: Sequence[int],
                lens: Sequence[int], scale: float,
                context: tuple[Sequence[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        if not supports(q, k) or v.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
-            raise ValueError(f"prefill attention takes bf16 with head_dim a multiple of 32 up to {MAX_HEAD_DIM}, "
-                             f"query heads a multiple of KV heads (got {q.dtype}, {tuple(q.shape)}, {tuple(k.shape)})")
+        if q.dtype != dtype or not supports(q, k) or v.dtype != dtype or out.dtype != dtype:
+            raise ValueError(f"prefill attention ({name}) takes {name} with head_dim a multiple of "
+                             f"{_D_MULTIPLE[dtype]} up to {MAX_HEAD_DIM}, query heads a multiple of KV heads "
+                             f"(got {q.dtype}, {tuple(q.shape)}, {tuple(k.shape)})")
         for t in (q, k, v, out):
             if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
                 raise ValueError("prefill attention needs each token's heads contiguous")
@@ -95,9 +128,9 @@ def load() -> PrefillAttention | None:
             ctx_lens, table, k_cache, v_cache = context
             if len(ctx_lens) != n or table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != n:
                 raise ValueError("context needs a length and an int64 block-table row per chunk")
-            if (k_cache.dtype != torch.bfloat16 or k_cache.stride() != v_cache.stride()
+            if (k_cache.dtype != dtype or v_cache.dtype != dtype or k_cache.stride() != v_cache.stride()
                     or k_cache.shape[2:] != k.shape[1:] or k_cache.stride(-1) != 1 or k_cache.stride(-2) != k.shape[-1]):
-                raise ValueError("the cache halves must be bf16 [blocks, block_size, Hk, D] with contiguous heads")
+                raise ValueError(f"the cache halves must be {name} [blocks, block_size, Hk, D] with contiguous heads")
             table = table.contiguous()
             block_size = k_cache.shape[1]
             if any(c < 0 or (c > 0 and -(-(c + n_) // block_size) > table.shape[1]) for c, n_ in zip(ctx_lens, lens)):

@@ -12,22 +12,9 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#include "cpu_key_rows.h"
 
 #define MAX_D 256
-
-/* Where key (or value) j of a task lies: rows `stride` apart from `base`, or, with a
- * block table, in the paged cache. */
-typedef struct {
-    const uint16_t *base;
-    int64_t stride;
-    const int64_t *table; /* NULL: rows of base */
-    int64_t block_size, stride_block, stride_token;
-} KeyRows;
-
-static inline const uint16_t *key_row(const KeyRows *src, int64_t j) {
-    if (!src->table) return src->base + j * src->stride;
-    return src->base + src->table[j / src->block_size] * src->stride_block + (j % src->block_size) * src->stride_token;
-}
 
 /* K^T blocks: kt[(j * DC + c) * 256 + r * 16 + n] (32-bit words) = the pair of dimensions
  * 32c + 2r, 32c + 2r + 1 of key 16j + n (zeros past len). */
@@ -39,7 +26,7 @@ static void layout_keys(const KeyRows *k, int64_t len, int64_t D, uint32_t *kt) 
             for (int64_t c = 0; c < DC; c++) {
                 uint32_t *dst = kt + (j * DC + c) * 256 + n;
                 if (key < len) {
-                    const uint32_t *src = (const uint32_t *)(key_row(k, key) + 32 * c);
+                    const uint32_t *src = (const uint32_t *)((const uint16_t *)key_row(k, key) + 32 * c);
                     for (int r = 0; r < 16; r++) dst[r * 16] = src[r];
                 } else {
                     for (int r = 0; r < 16; r++) dst[r * 16] = 0;
@@ -147,12 +134,12 @@ static int prefill_run(row_block_fn row_block, void (*task_done)(void), const ui
         uint32_t *kt = (uint32_t *)scratch, *vv = (uint32_t *)(scratch + padded * D * 2);
         float *s = (float *)(scratch + padded * D * 4);
         uint16_t *p = (uint16_t *)(scratch + padded * D * 4 + 16 * padded * 4);
-        KeyRows ks = {k + start * k_stride + h * D, k_stride, NULL, 0, 0, 0};
-        KeyRows vs = {v + start * v_stride + h * D, v_stride, NULL, 0, 0, 0};
+        KeyRows ks = {k + start * k_stride + h * D, 2, k_stride, NULL, 0, 0, 0};
+        KeyRows vs = {v + start * v_stride + h * D, 2, v_stride, NULL, 0, 0, 0};
         if (c0 > 0) {
             const int64_t *table = block_tables + i * max_blocks;
-            ks = (KeyRows){k_cache + h * D, 0, table, block_size, stride_block, stride_token};
-            vs = (KeyRows){v_cache + h * D, 0, table, block_size, stride_block, stride_token};
+            ks = (KeyRows){k_cache + h * D, 2, 0, table, block_size, stride_block, stride_token};
+            vs = (KeyRows){v_cache + h * D, 2, 0, table, block_size, stride_block, stride_token};
         }
         layout_keys(&ks, total, D, kt);
         layout_values(&vs, total, D, vv);

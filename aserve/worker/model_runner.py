@@ -126,8 +126,8 @@ class ModelRunner:
             return  # the Triton kernels read the pool themselves
         if dtype in kernel_dtypes and model_dtype in kernel_dtypes:  # the pool is host memory: the CPU kernel applies
             self.decode_kernel = load_decode_kernel()
-        if dtype == model_dtype == torch.bfloat16:
-            self.prefill_kernel = load_prefill_kernel()
+        if dtype == model_dtype and dtype in kernel_dtypes:  # each kernel reads a cache of its own dtype
+            self.prefill_kernel = load_prefill_kernel(dtype)
         if self.use_decode_staging and self.decode_kernel is None:
             # Dense copies in the model's dtype, of the values the cache holds.
             self.staging = DecodeStaging(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,

@@ -15,7 +15,7 @@ def test_the_line_names_the_flags_and_the_forms_each_cpu_kind_runs():
     amx = describe(frozenset({"avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}), model="Xeon")
     assert "AMX bf16 linear" in amx
     old = describe(frozenset({"sse2"}), model="old")
-    assert "no float32 linear kernel (needs AVX2 and FMA)" in old
+    assert "no float32 linear or prefill attention kernel (needs AVX2 and FMA)" in old
 
 
 def test_amd_cpus_build_with_the_vendor_define():

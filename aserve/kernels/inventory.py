@@ -27,11 +27,11 @@ def describe(flags: frozenset[str] | None = None, model: str | None = None) -> s
     kernels = ["decode attention", "RMSNorm/SiLU/rotary", "token masks", "shared-memory collectives"]
     if {"avx2", "fma"} <= flags:
         form = "AVX-512 and AVX2 forms" if "avx512f" in flags else "AVX2 form"
-        kernels.append(f"float32 linear + float32 one-call decode ({form})")
+        kernels.append(f"float32 linear, prefill attention + float32 one-call decode ({form})")
     else:
-        kernels.append("no float32 linear kernel (needs AVX2 and FMA)")
+        kernels.append("no float32 linear or prefill attention kernel (needs AVX2 and FMA)")
     if {"avx512f", "avx512_bf16"} <= flags:
-        kernels.append("AVX512-BF16 bf16 linear + its one-call decode")
+        kernels.append("AVX512-BF16 bf16 linear, prefill attention + its one-call decode")
     else:
         kernels.append("no AVX512-BF16 kernels (needs avx512f and avx512_bf16)")
     if {"amx_tile", "amx_bf16"} <= flags:

@@ -11,7 +11,7 @@ def test_the_line_names_the_flags_and_the_forms_each_cpu_kind_runs():
     assert "no AVX512-BF16 kernels" in avx2
     avx512 = describe(frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}), model="AMD EPYC")
     assert "AVX-512 and AVX2 forms" in avx512 and "avx512_bf16" in avx512
-    assert "AVX512-BF16 bf16 linear + its one-call decode" in avx512 and "no AMX kernels" in avx512
+    assert "AVX512-BF16 bf16 linear, prefill attention + its one-call decode" in avx512 and "no AMX kernels" in avx512
     amx = describe(frozenset({"avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}), model="Xeon")
     assert "AMX bf16 linear" in amx
     old = describe(frozenset({"sse2"}), model="old")

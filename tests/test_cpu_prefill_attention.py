@@ -148,6 +148,23 @@ def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, t
         assert err < tolerance(attend.dtype), (c, n, err)
 
 
+def test_the_same_bits_for_any_thread_count(attend, set_threads):
+    """Each query row is one work item's, summed in a fixed order: the thread count does
+    not change a bit (what TP ranks and repeated runs rely on)."""
+    g = torch.Generator().manual_seed(5)
+    lens, hq, hk, d = [300, 47, 129], 8, 2, 64
+    total = sum(lens)
+    q, k, v = (torch.randn(total, h, d, generator=g).to(attend.dtype) for h in (hq, hk, hk))
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    outs = []
+    for threads in (1, 2):
+        set_threads(threads)
+        out = torch.empty(total, hq, d, dtype=attend.dtype)
+        attend(q, k, v, out, starts, lens, d**-0.5)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_refuses_shapes_it_does_not_take(attend):
     other = torch.float32 if attend.dtype == torch.bfloat16 else torch.bfloat16
     multiple = 32 if attend.dtype == torch.bfloat16 else 16

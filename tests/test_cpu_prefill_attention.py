@@ -6,6 +6,7 @@ runner."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 
 from aserve import LLM, SamplingParams
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, paged_attention
-from aserve.kernels.cpu_prefill_attention import load
+from aserve.envs import read_env
+from aserve.kernels.cbuild import load_library
+from aserve.kernels.cpu_prefill_attention import _F32_SOURCE, load
 from tests.cpu_marks import needs_amx, needs_avx2_fma, needs_avx512_bf16, needs_avx512f, needs_bf16_kernel
 
 
@@ -37,8 +40,13 @@ def attend(request):
     ASERVE_CPU_AMX=0), and float32's AVX-512 and AVX2 forms (the second built with
     -mno-avx512f on an AVX-512 CPU)."""
     if request.param.startswith("f32"):
-        kernel = load(torch.float32, ("-mno-avx512f",) if request.param == "f32-avx2" else ())
+        flags = ("-mno-avx512f",) if request.param == "f32-avx2" else ()
+        kernel = load(torch.float32, flags)
         assert kernel is not None
+        # The form under test is the one built: 8 lanes for AVX2, 16 for AVX-512.
+        lib = load_library(_F32_SOURCE, read_env().cache_dir / "kernels", "test", flags)
+        lib.aserve_prefill_attention_f32_available.restype = ctypes.c_int
+        assert lib.aserve_prefill_attention_f32_available() == (8 if flags else 16)
         return Kernel(kernel, torch.float32)
     saved = os.environ.get("ASERVE_CPU_AMX")
     if request.param == "avx512_bf16":
@@ -163,6 +171,18 @@ def test_the_same_bits_for_any_thread_count(attend, set_threads):
         attend(q, k, v, out, starts, lens, d**-0.5)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_build_without_the_instructions_is_not_loaded():
+    """cbuild.load_library's ``available`` check: built without AVX2, FMA and AVX-512 the
+    float32 kernel says so (0 lanes), and the loader gives None, never a stub that fails
+    on every call."""
+    cache, flags = read_env().cache_dir / "kernels", ("-mno-avx512f", "-mno-avx2", "-mno-fma")
+    lib = load_library(_F32_SOURCE, cache, "test", flags)
+    assert lib is not None
+    lib.aserve_prefill_attention_f32_available.restype = ctypes.c_int
+    assert lib.aserve_prefill_attention_f32_available() == 0
+    assert load_library(_F32_SOURCE, cache, "test", flags, available="aserve_prefill_attention_f32_available") is None
 
 
 def test_refuses_shapes_it_does_not_take(attend):

@@ -4,7 +4,8 @@ Everything the model needs from the KV cache goes through :func:`paged_attention
 ``meta.triton`` it runs the Triton kernels of :mod:`aserve.kernels.triton_attention` (the
 GPU path, and the interpreter in tests), whose twin is this module's torch. Decode rows use the C
 kernel of :mod:`aserve.kernels.cpu_decode_attention` when the runner could build it, and
-prefill chunks that of :mod:`aserve.kernels.cpu_prefill_attention` (bf16, AMX or AVX512-BF16), else SDPA.
+prefill chunks that of :mod:`aserve.kernels.cpu_prefill_attention` (bf16 on AMX or AVX512-BF16, float32 on
+AVX-512F or AVX2 + FMA, over a cache of the model's dtype), else SDPA.
 
 KV cache of one layer::
 

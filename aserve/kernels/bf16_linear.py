@@ -38,12 +38,7 @@ def load_library_checked(source: Path, what: str, available: str = "aserve_bf16_
     returns 0) that it was compiled without the instructions."""
     if not cpu_supported():
         return None
-    lib = load_library(source, read_env().cache_dir / "kernels", what)
-    if lib is None:
-        return None
-    check = getattr(lib, available)
-    check.restype = ctypes.c_int
-    return lib if check() else None
+    return load_library(source, read_env().cache_dir / "kernels", what, available=available)
 
 
 def load() -> AmxLinear | None:

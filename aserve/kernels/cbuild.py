@@ -99,11 +99,21 @@ def build(source_path: Path, cache_dir: Path, what: str, extra_flags: tuple[str,
 
 
 def load_library(source_path: Path, cache_dir: Path, what: str,
-                 extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """:func:`build`, then load the library; None (logged) where that cannot be done."""
+                 extra_flags: tuple[str, ...] = (), available: str | None = None) -> ctypes.CDLL | None:
+    """:func:`build`, then load the library; None (logged) where that cannot be done.
+    ``available``: a function of the library (no arguments, returning int) that returns 0
+    when the build lacks the instructions its kernel needs; the library is then None too."""
     try:
         path = build(source_path, cache_dir, what, extra_flags)
     except OSError as exc:
         logger.warning("could not build the C kernel for %s (plain-torch path used): %s", what, exc)
         return None
-    return None if path is None else ctypes.CDLL(str(path))
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    if available is not None:
+        check = getattr(lib, available)
+        check.restype = ctypes.c_int
+        if not check():
+            return None
+    return lib

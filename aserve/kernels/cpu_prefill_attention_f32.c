@@ -4,8 +4,8 @@
  * pointers.
  *
  * Why: a float32 model's prefill attention went through torch's CPU flash kernel one
- * prompt at a time, at ~44 GFLOP/s on one Zen 4 core (a 7M model's 2,048-token prompt:
- * 4 x 48 ms of attention against ~125 ms of linear layers). Here both products are one
+ * prompt at a time, at ~61 GFLOP/s on one Zen 4 core (a 7M model's 2,048-token prompt:
+ * 4 x 35.5 ms of attention in a 215-223 ms prefill). Here both products are one
  * register block of MR query rows by NT vectors of VL outputs (cpu_simd.h's vector:
  * 6 x 4 of 16 lanes on AVX-512, 6 x 2 of 8 on AVX2), every score and weight float32.
  *
@@ -13,14 +13,16 @@
  *   1. per chunk and KV head: its keys (cached context, then its own) laid out as K^T in
  *      blocks of VL keys (kt[(j * D + d) * VL + n] = dimension d of key VL j + n, zeros
  *      past the end), its values copied to rows of D (vv[key * D + d]);
- *   2. per chunk, query head and block of up to RB query rows, the last blocks (the
+ *   2. per chunk, group of up to HG query heads of one KV head (stacked: one pass over
+ *      the keys serves them all) and block of up to RB query rows, the last blocks (the
  *      longest) first:
  *        S = Q K^T over the keys the rows can see (causal);
  *        P = exp(S * scale - the row's max), keys past a row's position 0;
  *        O = P V in chunks of KC keys (a chunk of V stays in L1 over the rows),
  *            divided by the row's sum of P.
- * Scratch: the layouts (2 x chunks x Hk x keys x D floats) and, per thread, one row
- * block's scores (RB x keys). The sums run in a fixed order, so the result does not
+ * Scratch: the layouts (2 x chunks x Hk x keys x D floats) and, per thread, one block's
+ * stacked query rows, scores and outputs (HG x RB rows of D, keys and D floats). The
+ * sums run in a fixed order, so the result does not
  * depend on the thread count.
  */
 #include <stdint.h>
@@ -32,11 +34,10 @@
 
 #ifdef ASERVE_SIMD
 #define PF_AVAILABLE 1
-#if VL == 16
 #define MR 6 /* query rows of the register block */
+#if VL == 16
 #define NT 4 /* vectors of outputs: MR x NT accumulators, NT loads, one broadcast (29 of 32) */
 #else
-#define MR 6
 #define NT 2 /* 12 accumulators, 2 loads, one broadcast (15 of 16); 6 x 2 ran 5% faster than 4 x 3 */
 #endif
 #define RB 16 /* query rows of a block, per head */
@@ -180,10 +181,9 @@ static void row_block(const float *q, int64_t q_stride, float *out, int64_t out_
 #define PF_AVAILABLE 0
 #endif
 
-int aserve_prefill_attention_f32_available(void) { return PF_AVAILABLE; }
-
-/* The vector width of this build's products: 16 (AVX-512F) or 8 (AVX2 + FMA), 0 without. */
-int aserve_prefill_attention_f32_lanes(void) {
+/* The vector width of this build's products: 16 (AVX-512F) or 8 (AVX2 + FMA); 0 where it
+ * lacks them (the kernel is then unavailable). */
+int aserve_prefill_attention_f32_available(void) {
 #if PF_AVAILABLE
     return VL;
 #else

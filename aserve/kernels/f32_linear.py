@@ -92,8 +92,6 @@ def load(extra_flags: tuple[str, ...] = ()) -> F32Linear | None:
     env = read_env()
     if not env.cpu_f32_linear or not cpu_supported():
         return None
-    lib = load_library(_SOURCE, env.cache_dir / "kernels", "float32 linear layers", extra_flags)
-    if lib is None:
-        return None
-    lib.aserve_f32_linear_available.restype = ctypes.c_int
-    return F32Linear(lib) if lib.aserve_f32_linear_available() else None
+    lib = load_library(_SOURCE, env.cache_dir / "kernels", "float32 linear layers", extra_flags,
+                       available="aserve_f32_linear_available")
+    return None if lib is None else F32Linear(lib)

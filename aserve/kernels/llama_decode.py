@@ -247,8 +247,6 @@ def load_float32() -> LlamaDecodeKernel | None:
     if (not env.cpu_fused_decode or not env.cpu_fused_ops or not env.cpu_f32_linear or env.cpu_attention == "sdpa"
             or not f32_cpu_supported()):
         return None
-    lib = load_library(_F32_SOURCE, env.cache_dir / "kernels", "the float32 fused decode step")
-    if lib is None:
-        return None
-    lib.aserve_f32_linear_available.restype = ctypes.c_int
-    return LlamaDecodeKernel(lib, torch.float32) if lib.aserve_f32_linear_available() else None
+    lib = load_library(_F32_SOURCE, env.cache_dir / "kernels", "the float32 fused decode step",
+                       available="aserve_f32_linear_available")
+    return None if lib is None else LlamaDecodeKernel(lib, torch.float32)

@@ -86,7 +86,8 @@ class ModelRunner:
         # over the paged cache where it builds (float32 and bfloat16), else SDPA over
         # dense staged copies (use_decode_staging) or over gathered blocks.
         self.decode_kernel: DecodeAttention | None = None
-        # Prefill chunks: the C kernel (bf16, AMX or AVX512-BF16), else SDPA.
+        # Prefill chunks: the C kernel of the model's dtype (bf16: AMX or AVX512-BF16;
+        # float32: AVX-512F or AVX2 + FMA) when the cache has that dtype too, else SDPA.
         self.prefill_kernel: PrefillAttention | None = None
         self.use_decode_staging = use_decode_staging and self.on_cpu and not triton_attention
         self.staging: DecodeStaging | None = None

@@ -47,6 +47,12 @@ from decode_roofline import step_bytes  # noqa: E402
 PROMPT_LEN, OUTPUT_LEN = 128, 128
 
 
+def six_figures(x: float) -> float:
+    """``x`` to six significant figures: a time of a few microseconds keeps its precision,
+    so a ratio recomputed from the JSON agrees with the one printed."""
+    return float(f"{x:.6g}")
+
+
 def check(results: list[dict], name: str, **figures) -> None:
     results.append({"check": name, **figures})
     print("CHECK", name + ":", ", ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
@@ -169,8 +175,8 @@ def main() -> None:
                                                     eager=False)
             eager_step, eager_tokens = decode_steps(path, device=args.device, dtype=args.dtype, batch=batch,
                                                     eager=True)
-            check(results, f"{name} decode step, batch {batch}", graphs_ms=round(graph_step * 1e3, 3),
-                  eager_ms=round(eager_step * 1e3, 3), floor_ms=round(floor * 1e3, 6),
+            check(results, f"{name} decode step, batch {batch}", graphs_ms=six_figures(graph_step * 1e3),
+                  eager_ms=six_figures(eager_step * 1e3), floor_ms=six_figures(floor * 1e3),
                   graphs_over_floor=round(graph_step / floor, 2), weight_mb=round(weights / 1e6),
                   kv_mb=round(kv / 1e6))
             same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))

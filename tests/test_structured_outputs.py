@@ -213,3 +213,27 @@ def test_masks_kept_from_the_last_step_equal_masks_computed_on_the_spot(llama_di
         kept.after_step(sampled + [("free", 5)])
         fresh.after_step(sampled + [("free", 5)])
     assert reused > 100  # the kept masks were used, not recomputed
+
+
+def test_a_matcher_that_refused_a_token_may_only_end(llama_dir):
+    """A refused token (an in-flight row the engine drops) leaves the matcher in error;
+    its row then allows the end of sequence, never nothing, and the other rows keep their
+    masks."""
+    from aserve.frontend.tokenizer import Tokenizer
+
+    tok = Tokenizer(Path(llama_dir))
+    digits = compile_grammar(SO(regex="[0-9]{1,40}"))
+    state = GrammarState(Path(llama_dir), tok.vocab_size, (tok.eos_token_id,))
+    state.add("bad", digits, [], [])
+    state.add("good", digits, [], [])
+    letter = tok.encode("x", add_special_tokens=False)[0]
+    one = tok.encode("1", add_special_tokens=False)[0]
+    state.after_step([("bad", letter), ("good", one)])
+    rows, bits = state.allowed(["good", "bad"])
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : tok.vocab_size]
+    assert rows == [0, 1]
+    assert allowed[1][tok.eos_token_id] == 1
+    assert all(tok.decode([t]).isdigit() or t == tok.eos_token_id for t in allowed[1].nonzero()[0].tolist())
+    assert allowed[0][one] == 1  # the good row still takes digits
+    state.remove("bad")  # gone: its error with it
+    assert state.allowed(["good", "bad"])[0] == [0]

@@ -57,7 +57,7 @@ class TokenMaskKernel:
         if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
             raise ValueError("token masks apply to float32 CPU logits with contiguous rows")
         bits = np.ascontiguousarray(bits, dtype=np.int32)
-        if bits.shape[0] != len(rows) or not all(0 <= r < logits.shape[0] for r in rows):
+        if bits.shape[0] != len(rows) or (rows and (min(rows) < 0 or max(rows) >= logits.shape[0])):
             raise ValueError("one mask row per logits row, each row in range")
         index = np.asarray(rows, dtype=np.int64)
         return int(self._apply(logits.data_ptr(), logits.stride(0), logits.shape[1], index.ctypes.data, len(rows),

@@ -21,8 +21,10 @@ consumed, while the matchers' data is still in the cache, and kept for the next 
 a request new to the step). Measured in the worker (``docs/performance.md``), a mask
 computed after a forward pass has flushed the caches costs several times one computed
 warm; xgrammar's masks cost the same as llguidance's there. A thread computing the masks
-during the forward pass was measured too and not kept: on two busy cores it took more
-CPU in all (0.64 s against 0.45 s a load) and the steps were no shorter.
+during the forward pass was measured twice and not kept: on two busy cores it took more
+CPU in all (0.64 s against 0.45 s a load) and the steps were no shorter, and pinned to
+the front end's core beside a one-call forward pass that holds no GIL, the unconstrained
+requests' ITL in a half-constrained load measured the same as without it.
 """
 
 from __future__ import annotations
@@ -47,10 +49,15 @@ class _Constrained:
     after: tuple[int, ...]  # the grammar starts after these output tokens (empty: at once)
     active: bool
     recent: list[int] = field(default_factory=list)  # the last len(after) tokens, while inactive
+    error: bool = False  # the matcher refused a token (a dropped in-flight row)
 
 
 class GrammarState:
-    """The matchers of one worker's constrained requests; only the worker's thread calls it."""
+    """The matchers of one worker's constrained requests; only the worker's thread calls it.
+
+    The bookkeeping is in sets and dicts keyed by request id, so a step costs a few
+    lookups a row beyond llguidance's own work: at 16 constrained rows of 32 that Python
+    was as much as the masks themselves (``docs/performance.md``)."""
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.model_dir = model_dir
@@ -59,10 +66,13 @@ class GrammarState:
         self._tokenizer: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
+        self._active: set[str] = set()  # requests whose grammar has started
+        self._errors: set[str] = set()  # requests whose matcher is in error
         self._words = (vocab_size + 31) // 32
-        # The masks computed at the end of the last step: req id -> (the matcher then,
-        # its row of _next_bits).
-        self._next: dict[str, tuple[Any, int]] = {}
+        # The masks computed at the end of the last step: req id -> its row of _next_bits
+        # (dropped when the request leaves or comes back, so a row always belongs to the
+        # request's current matcher).
+        self._next: dict[str, int] = {}
         self._next_bits = np.zeros((0, self._words), dtype=np.int32)
 
     def __contains__(self, req_id: str) -> bool:
@@ -96,22 +106,42 @@ class GrammarState:
 
     def add(self, req_id: str, grammar: str, after: list[int], output_ids: list[int]) -> None:
         """A request new to this worker (or back after preemption, with ``output_ids``)."""
+        self.remove(req_id)
         state = _Constrained(self._matcher_for(grammar), tuple(after), active=not after)
         self._requests[req_id] = state
         for token in output_ids:
-            _feed(state, token)
+            self._feed(req_id, state, token)
+        if state.active:
+            self._active.add(req_id)
 
     def remove(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
+        self._active.discard(req_id)
+        self._errors.discard(req_id)
+        self._next.pop(req_id, None)
+
+    def _feed(self, req_id: str, state: _Constrained, token: int) -> None:
+        if state.active:
+            if not state.matcher.consume_token(token):
+                # A refused token (a row the engine drops anyway): the matcher stays in error.
+                state.error = True
+                self._errors.add(req_id)
+            return
+        state.recent.append(token)
+        del state.recent[: -len(state.after)]
+        if tuple(state.recent) == state.after:
+            state.active, state.recent = True, []
+            self._active.add(req_id)
 
     def after_step(self, sampled: list[tuple[str, int]]) -> None:
         """The step's sampled ``(req id, token)`` pairs (those of unconstrained requests are
         ignored): advance the matchers, then compute their next masks while warm."""
+        requests = self._requests
         active: list[tuple[str, _Constrained]] = []
         for rid, token in sampled:
-            state = self._requests.get(rid)
+            state = requests.get(rid)
             if state is not None:
-                _feed(state, token)
+                self._feed(rid, state, token)
                 if state.active:
                     active.append((rid, state))
         bits = np.empty((len(active), self._words), dtype=np.int32)
@@ -119,50 +149,38 @@ class GrammarState:
         for k, (_, state) in enumerate(active):
             state.matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
         self._next_bits = bits
-        self._next = {rid: (state.matcher, k) for k, (rid, state) in enumerate(active)}
+        self._next = {rid: k for k, (rid, _) in enumerate(active)}
 
     def allowed(self, req_ids: list[str]) -> tuple[list[int], np.ndarray] | None:
         """For the sampling rows ``req_ids``: (indices of the rows under an active grammar,
         int32 [k, words] of their packed masks: bit ``t % 32`` of word ``t // 32`` set where
         token ``t`` may come next), or None when no row is. A matcher in error (it refused
-        a token: a row the engine drops anyway) allows only the end of sequence."""
-        rows: list[int] = []
-        kept: list[int] = []  # per row: its row of _next_bits, or -1
-        for i, rid in enumerate(req_ids):
-            state = self._requests.get(rid)
-            if state is None or not state.active:
-                continue
-            rows.append(i)
-            known = self._next.get(rid)
-            kept.append(known[1] if known is not None and known[0] is state.matcher else -1)
+        a token: a row the engine drops anyway) may end the sequence, so its row is never
+        empty."""
+        active = self._active
+        if not active:
+            return None
+        rows = [i for i, rid in enumerate(req_ids) if rid in active]
         if not rows:
             return None
-        if min(kept) >= 0:
-            bits = self._next_bits[kept]
+        nxt = self._next
+        kept = [nxt.get(req_ids[i], -1) for i in rows]
+        if -1 not in kept:
+            # Usually the rows come in the order the masks were computed: no copy.
+            bits = self._next_bits if kept == list(range(len(self._next_bits))) else self._next_bits[kept]
         else:
             bits = np.empty((len(rows), self._words), dtype=np.int32)
             row_bytes = self._words * 4
             for k, (i, row) in enumerate(zip(rows, kept)):
                 if row >= 0:
                     bits[k] = self._next_bits[row]
-                else:
+                else:  # a request new to the step
                     self._requests[req_ids[i]].matcher.unsafe_compute_mask_ptr(bits.ctypes.data + k * row_bytes,
                                                                                row_bytes)
-        empty = ~bits.any(axis=1)
-        if empty.any():
-            # llguidance gives an empty mask only for a matcher in error: let the row end
-            # rather than sample from nothing.
+        if self._errors:
             words = bits.view(np.uint32)
-            for t in [t for t in self.eos_token_ids if t < self.vocab_size] or [0]:
-                words[empty, t // 32] |= np.uint32(1 << (t % 32))
+            for k, i in enumerate(rows):
+                if req_ids[i] in self._errors:
+                    for t in [t for t in self.eos_token_ids if t < self.vocab_size] or [0]:
+                        words[k, t // 32] |= np.uint32(1 << (t % 32))
         return rows, bits
-
-
-def _feed(state: _Constrained, token: int) -> None:
-    if state.active:
-        state.matcher.consume_token(token)  # a refused token (a dropped in-flight row) leaves it in error: harmless
-        return
-    state.recent.append(token)
-    del state.recent[: -len(state.after)]
-    if tuple(state.recent) == state.after:
-        state.active, state.recent = True, []

@@ -49,7 +49,6 @@ class _Constrained:
     after: tuple[int, ...]  # the grammar starts after these output tokens (empty: at once)
     active: bool
     recent: list[int] = field(default_factory=list)  # the last len(after) tokens, while inactive
-    error: bool = False  # the matcher refused a token (a dropped in-flight row)
 
 
 class GrammarState:
@@ -124,7 +123,6 @@ class GrammarState:
         if state.active:
             if not state.matcher.consume_token(token):
                 # A refused token (a row the engine drops anyway): the matcher stays in error.
-                state.error = True
                 self._errors.add(req_id)
             return
         state.recent.append(token)

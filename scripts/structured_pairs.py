@@ -31,18 +31,20 @@ from bench_compare import PORT, ROOT, Running
 from proc_stats import cpu_seconds, process_tree
 
 
+#: The part a server process plays, by the start of its title (``aserve::worker_tp0``,
+#: ``aserve::engine_core_0``...: ``aserve.process.utils.set_process_title``).
+ROLES = {"worker": "worker", "engine_core": "engine", "api_server": "api", "coordinator": "coordinator",
+         "supervisor": "supervisor"}
+
+
 def role(pid: int) -> str:
-    """A server process's part, from its command line (``aserve`` names its children's
-    entry modules there), else its ``comm``."""
+    """A server process's part, from the title it set; anything else by its command."""
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
     except FileNotFoundError:
         return "gone"
-    for key in ("worker", "engine", "coordinator", "resource_tracker"):
-        if key in cmd or key in comm:
-            return key
-    return "api" if " run " in cmd else comm
+    name = title.removeprefix("aserve::")
+    return next((label for prefix, label in ROLES.items() if name.startswith(prefix)), name)
 
 
 def cpu_by_role(root: int) -> dict[str, float]:

@@ -215,7 +215,7 @@ def test_masks_kept_from_the_last_step_equal_masks_computed_on_the_spot(llama_di
     assert reused > 100  # the kept masks were used, not recomputed
 
 
-def test_a_matcher_that_refused_a_token_may_only_end(llama_dir):
+def test_a_matcher_that_refused_a_token_may_still_end(llama_dir):
     """A refused token (an in-flight row the engine drops) leaves the matcher in error;
     its row then allows the end of sequence, never nothing, and the other rows keep their
     masks."""

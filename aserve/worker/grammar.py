@@ -47,7 +47,6 @@ COMPILED_CACHE = 256
 class _Constrained:
     matcher: Any  # llguidance.LLMatcher
     after: tuple[int, ...]  # the grammar starts after these output tokens (empty: at once)
-    active: bool
     recent: list[int] = field(default_factory=list)  # the last len(after) tokens, while inactive
 
 
@@ -106,12 +105,12 @@ class GrammarState:
     def add(self, req_id: str, grammar: str, after: list[int], output_ids: list[int]) -> None:
         """A request new to this worker (or back after preemption, with ``output_ids``)."""
         self.remove(req_id)
-        state = _Constrained(self._matcher_for(grammar), tuple(after), active=not after)
+        state = _Constrained(self._matcher_for(grammar), tuple(after))
         self._requests[req_id] = state
+        if not after:
+            self._active.add(req_id)
         for token in output_ids:
             self._feed(req_id, state, token)
-        if state.active:
-            self._active.add(req_id)
 
     def remove(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -120,7 +119,7 @@ class GrammarState:
         self._next.pop(req_id, None)
 
     def _feed(self, req_id: str, state: _Constrained, token: int) -> None:
-        if state.active:
+        if req_id in self._active:
             if not state.matcher.consume_token(token):
                 # A refused token (a row the engine drops anyway): the matcher stays in error.
                 self._errors.add(req_id)
@@ -128,7 +127,7 @@ class GrammarState:
         state.recent.append(token)
         del state.recent[: -len(state.after)]
         if tuple(state.recent) == state.after:
-            state.active, state.recent = True, []
+            state.recent = []
             self._active.add(req_id)
 
     def after_step(self, sampled: list[tuple[str, int]]) -> None:
@@ -140,7 +139,7 @@ class GrammarState:
             state = requests.get(rid)
             if state is not None:
                 self._feed(rid, state, token)
-                if state.active:
+                if rid in self._active:
                     active.append((rid, state))
         bits = np.empty((len(active), self._words), dtype=np.int32)
         base, row_bytes = bits.ctypes.data, self._words * 4
@@ -177,8 +176,9 @@ class GrammarState:
                                                                                row_bytes)
         if self._errors:
             words = bits.view(np.uint32)
+            ends = [t for t in self.eos_token_ids if t < self.vocab_size] or [0]
             for k, i in enumerate(rows):
                 if req_ids[i] in self._errors:
-                    for t in [t for t in self.eos_token_ids if t < self.vocab_size] or [0]:
+                    for t in ends:
                         words[k, t // 32] |= np.uint32(1 << (t % 32))
         return rows, bits

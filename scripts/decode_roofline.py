@@ -72,8 +72,9 @@ def read_rate(threads: int) -> float:
 def gemm_rate(dtype: str, threads: int) -> float:
     """GFLOP/s of this machine's fastest dense product in ``dtype`` at a size where
     arithmetic, not memory, bounds it: 2,048 rows through the 152M model's gate/up
-    weight ([5,632 x 1,024]), on oneDNN's prepacked form and on aserve's own bf16 or
-    float32 kernel where this CPU has one; the best of three runs of each."""
+    weight ([5,632 x 1,024]), on oneDNN's prepacked form (where oneDNN can pack this
+    dtype here) and on aserve's own bf16 or float32 kernel where this CPU has one, else
+    on a plain product; the best of the runs of each."""
     import torch
 
     from aserve.kernels import bf16_linear, f32_linear
@@ -84,8 +85,11 @@ def gemm_rate(dtype: str, threads: int) -> float:
     w = (torch.randn(5632, 1024) * 0.05).to(dt)
     candidates = []
     if dt in (torch.float32, torch.bfloat16):
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        except RuntimeError:
+            pass  # oneDNN packs bf16 only with AVX-512 (bw/vl/dq) or avx_ne_convert: not on an AVX2-only CPU
     kernel = bf16_linear.load_best() if dt == torch.bfloat16 else f32_linear.load() if dt == torch.float32 else None
     if kernel is not None:
         kpacked = kernel.pack(w)
@@ -168,7 +172,7 @@ def measure(llm, args: argparse.Namespace, times: dict[str, list[float]]) -> Non
         compute = 2 * args.batch * weights / _SIZES[args.dtype] / (flops_rate * 1e9)
         floor = max(weights / (rate * 1e9), compute) + kv / (rate * 1e9)
         print(json.dumps({
-            "read_gb_s": round(rate, 1), "gemm_gflops": round(flops_rate), "threads": threads,
+            "read_gb_s": round(rate, 1), "gemm_gflops": float(f"{flops_rate:.4g}"), "threads": threads,
             "weight_bytes": int(weights), "kv_bytes": int(kv), "memory_floor_ms": round(memory_floor * 1e3, 4),
             "linear_compute_ms": round(compute * 1e3, 6),
             "floor_ms": round(floor * 1e3, 6), "decode_step_ms": round(step * 1e3, 3),

@@ -1,11 +1,13 @@
 """Liveness that cannot hide behind a long step (docs/design.md §14): a slow model load
 and a long step never look dead, since every engine process ticks its heartbeat from a
 thread of its own; a step that makes no progress past ``execute_model_timeout`` fails
-the engine even though its workers still tick.
+the engine even though its workers still tick, and one that keeps finishing layers is
+waited for however far past it it runs.
 
 The slowness is injected into the real worker processes with a ``sitecustomize`` module
 on their ``PYTHONPATH`` (spawned children inherit the environment): it wraps the
-worker's model loading, or its first prefill step, in a sleep."""
+worker's model loading, its first prefill step, or each layer of a prefill step, in a
+sleep."""
 
 from __future__ import annotations
 
@@ -42,6 +44,17 @@ def execute_model(self, sched):
         time.sleep({seconds})
     return _execute(self, sched)
 runner.ModelRunner.execute_model = execute_model
+"""
+
+SLOW_LAYERS = """
+import time
+import aserve.model.models.llama as llama
+_forward = llama.LlamaDecoderLayer.forward
+def forward(self, rope, x, residual, kv_cache, meta):
+    if meta.prefills:
+        time.sleep({seconds})
+    return _forward(self, rope, x, residual, kv_cache, meta)
+llama.LlamaDecoderLayer.forward = forward
 """
 
 
@@ -94,3 +107,23 @@ async def test_a_step_past_execute_model_timeout_fails_the_engine(llama_dir, inj
             await llm.dead_event.wait()
         with pytest.raises(EngineDeadError, match="made no progress for 3 s"):
             await llm.check_health()
+
+
+async def test_a_step_that_keeps_finishing_layers_outlasts_execute_model_timeout(tmp_path, inject):
+    # Ten layers of 1 s each: a 10 s prefill step against a 4 s bound. Each layer done
+    # moves the workers' progress counters, which the engine core reads once a second,
+    # so the bound never runs out (the longest gap it sees is a layer plus a look).
+    from aserve.model_builder import llama_config, random_llama_weights, write_model_dir
+    from aserve.tiny_tokenizer import build_tokenizer
+
+    cfg = llama_config(hidden_size=64, num_layers=10, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                       vocab_size=build_tokenizer().get_vocab_size(), max_position_embeddings=256)
+    model = tmp_path / "llama-10-layers"
+    write_model_dir(model, cfg, random_llama_weights(cfg, seed=0))
+    inject(SLOW_LAYERS.format(seconds=1.0))
+    async with AsyncLLM(str(model), tensor_parallel_size=2, kv_cache_memory=1 << 22,
+                        execute_model_timeout=4.0) as llm:
+        start = time.monotonic()
+        assert len(await _complete(llm, "r")) == 4
+        assert time.monotonic() - start >= 10  # the step really outlasted the bound
+        await llm.check_health()

@@ -121,8 +121,9 @@ class EngineArgs:
                                        "engine process counts as dead", minimum=0)
     startup_timeout: float = _option(DEFAULT_STARTUP_TIMEOUT, "seconds to wait for every engine to load and "
                                      "report ready", minimum=0)
-    execute_model_timeout: float | None = _option(None, "seconds a model step may run before the engine counts "
-                                                  "as hung (default: 10x the longest step measured, at least 60)",
+    execute_model_timeout: float | None = _option(None, "seconds a model step may go without progress (a "
+                                                  "layer done in a worker) before the engine counts as hung "
+                                                  "(default: 10x the longest step measured, at least 60)",
                                                   minimum=0)
 
     def __post_init__(self) -> None:

@@ -9,7 +9,11 @@ looks at the workers every second: a worker that died (or, given the instance's
 heartbeat segment, stopped ticking for ``heartbeat_timeout``) fails the executor with
 ``EngineDeadError``, and so does a step that makes no progress for longer than
 ``HealthConfig.step_bound`` (``--execute-model-timeout``, or ten times the longest step
-measured so far, at least 60 s): a worker that still ticks but is stuck.
+measured so far, at least 60 s): a worker that still ticks but is stuck. Progress is
+what the workers' progress counters show (``aserve.process.heartbeat.Progress``: a
+layer done): while a local worker's counter moves, the bound counts again from the move,
+so a step of any length that keeps finishing layers is waited for. (Workers on other
+nodes have no counter here: their steps are held to the bound from their start.)
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ class MultiprocExecutor:
         self._closed = False
         self._heartbeats: HeartbeatTable | None = None
         self._monitor: HeartbeatMonitor | None = None
+        self._progress_slots: list[int] = []  # the local workers' heartbeat slots
+        self._progress_seen = 0  # the sum of their progress counters at the last look
         self._health = config.health
         self._submitted: list[float] = []  # when each step in flight was written
         self._last_done = 0.0  # when the last step's output was read
@@ -109,6 +115,7 @@ class MultiprocExecutor:
                 world = self.world_size
                 self._heartbeats = HeartbeatTable(heartbeat_name, worker_slot(dp_rank, world, world - 1) + 1,
                                                   create=False)
+                self._progress_slots = [worker_slot(dp_rank, world, r) for r in self.local_ranks]
                 self._monitor = HeartbeatMonitor(
                     self._heartbeats,
                     {worker_slot(dp_rank, world, r): f"worker {self._name(r)}" for r in self.local_ranks},
@@ -153,14 +160,27 @@ class MultiprocExecutor:
             if stale:
                 raise EngineDeadError(f"{stale[0]} stopped responding (no heartbeat for {self._monitor.timeout:.0f} s)")
 
-    def _read_reply(self, rank: int, deadline: float) -> RunnerOutput | None:
-        reply = self._read(rank, deadline)
+    def _read_reply(self, rank: int, deadline: float, renew: float | None = None) -> RunnerOutput | None:
+        reply = self._read(rank, deadline, renew)
         if not reply.ok:
             raise EngineDeadError(f"worker {self._name(rank)} failed: {reply.error}")
         return reply.output
 
-    def _read(self, rank: int, deadline: float) -> WorkerReply:
+    def _progressed(self) -> bool:
+        """Whether any local worker's progress counter moved since the last look."""
+        if self._heartbeats is None:
+            return False
+        seen = sum(self._heartbeats.progress(slot) for slot in self._progress_slots)
+        moved, self._progress_seen = seen != self._progress_seen, seen
+        return moved
+
+    def _read(self, rank: int, deadline: float, renew: float | None = None) -> WorkerReply:
+        """The next reply of ``rank``; ``EngineDeadError`` past ``deadline``, which
+        moves to ``renew`` seconds after each look (once a second) that finds a worker's
+        progress counter moved, when ``renew`` is given."""
         ring = self._responses.get(rank)
+        if renew is not None:
+            self._progressed()  # what the counters hold now: only a move from here counts
         while True:
             try:
                 timeout = min(_POLL, max(0.0, deadline - time.monotonic()))
@@ -170,6 +190,8 @@ class MultiprocExecutor:
                 return REPLY_DECODER.decode(ring.read(timeout=timeout))
             except TimeoutError:
                 self._check_workers()
+                if renew is not None and self._progressed():
+                    deadline = max(deadline, time.monotonic() + renew)
                 if time.monotonic() >= deadline:
                     raise EngineDeadError(f"worker {self._name(rank)} gave no answer in time") from None
 
@@ -193,12 +215,13 @@ class MultiprocExecutor:
 
     def wait_model(self) -> RunnerOutput:
         """The output of the oldest step written and not yet read; ``EngineDeadError``
-        once it has run longer than the step bound (counted from when the workers could
-        start it: its write, or the end of the step before it)."""
+        once it has made no progress for the step bound (counted from when the workers
+        could start it: its write, or the end of the step before it; and again from each
+        move of a local worker's progress counter)."""
         began = max(self._submitted.pop(0), self._last_done) if self._submitted else time.monotonic()
         bound = self._health.step_bound(self.longest_step)
         try:
-            output = self._read_reply(self.output_rank, began + bound)
+            output = self._read_reply(self.output_rank, began + bound, renew=bound)
         except EngineDeadError as exc:
             if "gave no answer in time" in str(exc):
                 raise EngineDeadError(f"a model step made no progress for {bound:.0f} s (the workers still tick: "

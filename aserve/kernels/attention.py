@@ -28,6 +28,7 @@ chunks (one or more tokens each, possibly after cached context).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -81,6 +82,10 @@ class AttentionMetadata:
     # rows from ``decode_block_table``, and every chunk through its ``block_ids`` (which
     # the runner then sets for every chunk, cached context or not).
     triton: bool = False
+    # Called after each layer of a step run layer by layer (not inside the one-call
+    # decode step): a worker process's progress counter, which tells the engine core
+    # that a long step is slow, not stuck (aserve.process.heartbeat.Progress).
+    layer_done: Callable[[], None] | None = None
 
     @cached_property
     def prefill_spans(self) -> tuple[list[int], list[int], list[int] | None, torch.Tensor | None]:

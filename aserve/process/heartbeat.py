@@ -17,8 +17,16 @@ in a collective) is the step bound's to find (``HealthConfig.step_bound``). The 
 cost an idle server little: one wake-up a second per engine process (measured in
 ``docs/performance.md``).
 
-Layout: ``num_slots`` little-endian uint64 counters. Slot of engine ``d`` with TP size
-``t``: ``d * (1 + t)``; of its worker at TP rank ``r``: ``d * (1 + t) + 1 + r``.
+Progress: beside its tick counter each slot has a second counter that a worker's model
+thread advances after every layer of a step run layer by layer (:class:`Progress`). A
+step that keeps advancing it is slow, not stuck: the step bound counts from the last
+advance (``aserve.executor.multiproc``), so an 8k-token prefill on a slow CPU is served
+however long it takes, while a deadlock, which advances nothing, still fails the engine
+after the bound. Each counter has one writer (the heartbeat thread, or the model thread).
+
+Layout: ``num_slots`` slots of two little-endian uint64 counters (ticks, then
+progress). Slot of engine ``d`` with TP size ``t``: ``d * (1 + t)``; of its worker at TP
+rank ``r``: ``d * (1 + t) + 1 + r``.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import time
 
 INTERVAL = 1.0  # a tick a second: a stopped process is seen within timeout + 1 s
 DEFAULT_TIMEOUT = 4.0
-_SLOT = struct.Struct("<Q")
+_COUNTER = struct.Struct("<Q")
+_STRIDE = 2 * _COUNTER.size  # a slot: its ticks, then its progress
 
 
 def segment_name(instance_id: str) -> str:
@@ -53,7 +62,7 @@ def create_segment(name: str, num_slots: int) -> None:
     removes the file (``cleanup_instance`` does, by the instance's prefix)."""
     fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, num_slots * _SLOT.size)
+        os.ftruncate(fd, num_slots * _STRIDE)
     finally:
         os.close(fd)
 
@@ -67,17 +76,25 @@ class HeartbeatTable:
         fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
-                os.ftruncate(fd, num_slots * _SLOT.size)
-            self._map = mmap.mmap(fd, num_slots * _SLOT.size)
+                os.ftruncate(fd, num_slots * _STRIDE)
+            self._map = mmap.mmap(fd, num_slots * _STRIDE)
         finally:
             os.close(fd)
         self._owner = create
 
     def read(self, slot: int) -> int:
-        return _SLOT.unpack_from(self._map, slot * _SLOT.size)[0]
+        """The slot's tick counter."""
+        return _COUNTER.unpack_from(self._map, slot * _STRIDE)[0]
 
     def tick(self, slot: int) -> None:
-        _SLOT.pack_into(self._map, slot * _SLOT.size, (self.read(slot) + 1) & 0xFFFF_FFFF_FFFF_FFFF)
+        _COUNTER.pack_into(self._map, slot * _STRIDE, (self.read(slot) + 1) & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def progress(self, slot: int) -> int:
+        """The slot's progress counter (layers its process has run)."""
+        return _COUNTER.unpack_from(self._map, slot * _STRIDE + _COUNTER.size)[0]
+
+    def set_progress(self, slot: int, value: int) -> None:
+        _COUNTER.pack_into(self._map, slot * _STRIDE + _COUNTER.size, value & 0xFFFF_FFFF_FFFF_FFFF)
 
     def close(self) -> None:
         self._map.close()
@@ -110,6 +127,20 @@ class Heartbeat:
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class Progress:
+    """A worker's progress counter: ``advance()`` after each unit of a step's work (a
+    layer), from the model's thread, the counter's only writer. It costs one 8-byte store
+    into shared memory."""
+
+    def __init__(self, table: HeartbeatTable, slot: int) -> None:
+        self.table, self.slot = table, slot
+        self.count = table.progress(slot)
+
+    def advance(self) -> None:
+        self.count += 1
+        self.table.set_progress(self.slot, self.count)
 
 
 class HeartbeatMonitor:

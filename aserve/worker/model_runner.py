@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +80,9 @@ class ModelRunner:
         self.on_cpu = self.device.type == "cpu"
         self.block_size = block_size
         self.sampler = Sampler(seed, token_mask)
+        # Called after each layer a step runs layer by layer: the worker process sets its
+        # progress counter here (aserve.process.heartbeat.Progress); None in process.
+        self.layer_done: Callable[[], None] | None = None
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[LayerKV] = []
         self.model_dtype: torch.dtype | None = None  # set by init_kv_cache
@@ -303,7 +307,7 @@ class ModelRunner:
             decode_rows=decode_rows, decode_write_index=decode_write_index,
             decode_rows_packed=staged_rows is not None and staged_rows == list(range(num_decode)),
             decode_len=length, decode_kernel=self.decode_kernel, decode_seq_lens=seq_lens,
-            prefill_kernel=self.prefill_kernel, triton=self.triton_attention,
+            prefill_kernel=self.prefill_kernel, triton=self.triton_attention, layer_done=self.layer_done,
         )
 
         hidden = None

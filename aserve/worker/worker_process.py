@@ -24,7 +24,7 @@ from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from aserve.envs import read_env
 from aserve.wire.worker_messages import CALL_DECODER, WorkerCall, WorkerReply
-from aserve.process.heartbeat import Heartbeat, HeartbeatTable, worker_slot
+from aserve.process.heartbeat import Heartbeat, HeartbeatTable, Progress, worker_slot
 from aserve.process.utils import (
     available_cores,
     exit_with_parent,
@@ -106,11 +106,13 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     ctx = zmq.Context()
     broadcast = response = None
     code = 0
-    table = heartbeat = None
+    table = heartbeat = progress = None
     if cfg.heartbeat_name is not None:
-        table = HeartbeatTable(cfg.heartbeat_name, worker_slot(cfg.dp_rank, cfg.world_size, cfg.rank) + 1, create=False)
+        slot = worker_slot(cfg.dp_rank, cfg.world_size, cfg.rank)
+        table = HeartbeatTable(cfg.heartbeat_name, slot + 1, create=False)
         # From before the model loads: a slow load still ticks, a stopped process does not.
-        heartbeat = Heartbeat(table, worker_slot(cfg.dp_rank, cfg.world_size, cfg.rank)).__enter__()
+        heartbeat = Heartbeat(table, slot).__enter__()
+        progress = Progress(table, slot)
     try:
         if cfg.remote_calls is not None:
             assert cfg.remote_replies is not None
@@ -126,7 +128,7 @@ def run_worker(cfg: WorkerProcConfig) -> None:
             response = ShmRingWriter(cfg.response_name, 1, side_channel_address=cfg.response_side, zmq_context=ctx,
                                      max_chunks=cfg.max_chunks, max_chunk_bytes=cfg.max_chunk_bytes,
                                      wake_every_write=True)
-        _serve(cfg, broadcast, response)
+        _serve(cfg, broadcast, response, progress)
     except KeyboardInterrupt:
         pass
     except BaseException:
@@ -146,7 +148,10 @@ def run_worker(cfg: WorkerProcConfig) -> None:
     sys.exit(code)
 
 
-def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter) -> None:
+def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter,
+           progress: Progress | None) -> None:
+    """Build the worker and answer calls; ``progress``: advanced after every layer of a
+    step (the engine core then sees a long step as slow, not stuck)."""
     # torch and the model are imported here, in the worker, not at module level: the
     # engine core imports this module for its entry point and stays torch-free.
     import torch.distributed as dist
@@ -174,6 +179,8 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
         tp = _join_tp_group(cfg, device)
     try:
         worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0, dp_rank=cfg.dp_rank, pp=pp)
+        if progress is not None:
+            worker.runner.layer_done = progress.advance
         _serve_calls(cfg, worker, broadcast, response)
     finally:
         if tp.comm is not None:

@@ -364,6 +364,8 @@ class LlamaModel(nn.Module):
         for i, kv_cache in zip(range(stage.start, stage.end), kv_caches):
             r = self.rope_of_layer[i]
             x, residual = self.layers[i](None if r is None else ropes[r], x, residual, kv_cache, meta)
+            if meta.layer_done is not None:
+                meta.layer_done()
         if not stage.is_last:
             assert residual is not None  # a stage holds at least one layer
             return x, residual

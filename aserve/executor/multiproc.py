@@ -115,11 +115,9 @@ class MultiprocExecutor:
                 world = self.world_size
                 self._heartbeats = HeartbeatTable(heartbeat_name, worker_slot(dp_rank, world, world - 1) + 1,
                                                   create=False)
-                self._progress_slots = [worker_slot(dp_rank, world, r) for r in self.local_ranks]
-                self._monitor = HeartbeatMonitor(
-                    self._heartbeats,
-                    {worker_slot(dp_rank, world, r): f"worker {self._name(r)}" for r in self.local_ranks},
-                    config.health.heartbeat_timeout)
+                slots = {worker_slot(dp_rank, world, r): f"worker {self._name(r)}" for r in self.local_ranks}
+                self._progress_slots = list(slots)
+                self._monitor = HeartbeatMonitor(self._heartbeats, slots, config.health.heartbeat_timeout)
             for rank in self.local_ranks:
                 self._responses[rank] = self._attach(rank, instance, dp_rank, max_chunk_bytes, deadline)
             self._broadcast.wait_for_readers(timeout=max(1.0, deadline - time.monotonic()))

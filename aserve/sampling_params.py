@@ -22,6 +22,17 @@ GREEDY_EPSILON = 1e-5
 #: completions (a chat request without it runs up to ``max_model_len``).
 DEFAULT_MAX_TOKENS = 16
 
+#: The integers a request may carry to an engine. Requests cross to the engine cores as
+#: msgpack, which holds integers of 64 bits at most, and a seed seeds a torch generator;
+#: vLLM bounds ``seed`` the same way. Past these a request is refused by name, where it
+#: would otherwise fail to encode after it had been accepted.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def is_int64(value: object) -> bool:
+    """Whether ``value`` is an int (not a bool) that fits 64 signed bits."""
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+
 
 class RequestOutputKind(enum.IntEnum):
     """What each streamed ``RequestOutput`` holds."""
@@ -125,7 +136,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         def fail(param: str, message: str) -> None:
             raise InvalidSamplingParamsError(f"{param} {message}", param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not is_int64(self.n) or self.n < 1:
             fail("n", f"must be an integer >= 1, got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -137,22 +148,22 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             fail("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not is_int64(self.top_k) or self.top_k < 0:
+            fail("top_k", f"must be -1 or 0 (disabled) or a positive 64-bit integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and (not is_int64(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", f"must be a 64-bit integer >= 1, got {self.max_tokens!r}")
+        if not is_int64(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", f"must be a 64-bit integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                fail(name, f"must be an integer >= 0, got {value!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", f"must be an integer, got {self.seed!r}")
+            if value is not None and (not is_int64(value) or value < 0):
+                fail(name, f"must be a 64-bit integer >= 0, got {value!r}")
+        if self.seed is not None and not is_int64(self.seed):
+            fail("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.stop is not None:
             if not all(isinstance(s, str) for s in self.stop):
                 fail("stop", "must be a string or a list of strings")
@@ -160,10 +171,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 fail("stop", "must not contain an empty string")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+                    is_int64(t) and t >= 0 and isinstance(b, (int, float))
                     and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
                 fail("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
-        ):
-            fail("stop_token_ids", "must be a list of non-negative integers")
+        if self.stop_token_ids is not None and not all(is_int64(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be a list of non-negative 64-bit integers")

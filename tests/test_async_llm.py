@@ -219,6 +219,10 @@ async def test_abort_and_bad_input(llama_dir):
             await collect(llm, "", GREEDY)
         with pytest.raises(InvalidInputError):
             await collect(llm, list(range(10, 600)), GREEDY)
+        with pytest.raises(InvalidInputError) as info:  # msgpack carries 64 bits at most
+            async for _ in llm.generate("Hello", GREEDY, priority=2**63):
+                pass
+        assert info.value.param == "priority"
         assert (await collect(llm, "Hello", GREEDY)).finished
         await llm.check_health()
         await llm.reset_prefix_cache()

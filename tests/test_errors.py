@@ -72,6 +72,12 @@ def test_one_bad_prompt_queues_none(llm):
     ({"logprobs": -1}, "logprobs"),
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    # Past 64 bits: msgpack could not carry them to the engine.
+    ({"seed": 2**63}, "seed"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+    ({"n": 2**64}, "n"),
+    ({"logit_bias": {2**64: 1.0}}, "logit_bias"),
 ])
 def test_invalid_sampling_params(kwargs, param):
     with pytest.raises(InvalidSamplingParamsError) as info:

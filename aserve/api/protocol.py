@@ -14,12 +14,24 @@ docs/structured-outputs.md).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from aserve.errors import InvalidInputError
-from aserve.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from aserve.sampling_params import (
+    DEFAULT_MAX_TOKENS,
+    INT64_MAX,
+    INT64_MIN,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+
+#: An integer that travels to the engine as it is: 64 bits (``SamplingParams.is_int64``
+#: says why). A larger one is a 400 naming its field, from the decoder.
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 
 
 class RequestError(InvalidInputError):
@@ -66,7 +78,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     best_of: int | None = None  # vLLM's benchmark client sends 1; only n (or None) is accepted
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -74,15 +86,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     logit_bias: dict[str, float] | None = None  # token id (a decimal string, as OpenAI sends) -> bias
     data_parallel_rank: int | None = None  # pin an engine (also the X-data-parallel-rank header)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the

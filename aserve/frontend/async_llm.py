@@ -45,7 +45,7 @@ from aserve.frontend.input_processor import InputProcessor, PreparedPrompt, Prom
 from aserve.frontend.output_processor import OutputProcessor, RequestState, child_params, child_request_id
 from aserve.frontend.tokenizer import Tokenizer
 from aserve.outputs import RequestOutput
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import SamplingParams, is_int64
 from aserve.wire.codec import EngineReady
 from aserve.wire.messages import QUEUE_TIMEOUT, SLEEPING, EngineCoreOutput
 
@@ -220,6 +220,9 @@ class AsyncLLM:
         """
         core = self.engine_core
         core.check_alive()
+        if not is_int64(priority):
+            raise InvalidInputError(f"priority must be an integer in [-2**63, 2**63 - 1], got {priority!r}",
+                                    param="priority")
         if isinstance(prompt, PreparedPrompt):
             if sampling_params is not None:
                 raise InvalidInputError("a prepared prompt carries its sampling params: pass None",

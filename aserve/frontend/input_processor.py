@@ -147,6 +147,11 @@ class InputProcessor:
         arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
         grammar: str | None = None, grammar_after: tuple[int, ...] = (), max_queue_time: float | None = None,
     ) -> EngineCoreRequest:
+        # The engine gets the constraint as the compiled ``grammar`` text; the request's own
+        # form of it (a JSON Schema, choices) stays here. It is never needed there, and a
+        # schema may hold numbers msgpack cannot carry (an integer past 64 bits).
+        if params.structured_outputs is not None:
+            params = msgspec.structs.replace(params, structured_outputs=None)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

@@ -143,6 +143,13 @@ def test_models_and_small_routes(client, server):
     (b'{"model": "tiny", "prompt": [' + b"5," * 300 + b'5]}', 400, "prompt"),
     (b'{"model": "tiny", "prompt": ""}', 400, "prompt"),
     (b'{"model": "nope", "prompt": "hi"}', 404, None),
+    # Integers past 64 bits cannot cross to the engine: refused by name, where they were
+    # accepted and then failed to encode (a 500, or a stream cut after its first chunk).
+    (b'{"model": "tiny", "prompt": "hi", "priority": 278492291076909072384}', 400, "priority"),
+    (b'{"model": "tiny", "prompt": "hi", "priority": -278492291076909072384, "stream": true}', 400, "priority"),
+    (b'{"model": "tiny", "prompt": "hi", "seed": 18446744073709551616}', 400, "seed"),
+    (b'{"model": "tiny", "prompt": "hi", "top_k": 9223372036854775808}', 400, "top_k"),
+    (b'{"model": "tiny", "prompt": "hi", "stop_token_ids": [3, 278492291076909072384]}', 400, "stop_token_ids"),
 ])
 def test_bad_input_gets_openai_error_and_server_keeps_serving(server, client, body, status, param):
     r = httpx.post(server.base_url + "/v1/completions", content=body,

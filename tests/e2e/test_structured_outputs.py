@@ -169,6 +169,19 @@ def test_tool_history_reaches_the_template(client):
     assert tokens > bare  # the call and its result are in the prompt
 
 
+def test_a_schema_with_an_integer_past_64_bits_is_served(client):
+    """The schema travels as compiled grammar text, never as the request's JSON: a number
+    msgpack cannot carry (past 64 bits) in it is matched like any other. (Before, the
+    request was accepted and then failed to reach the engine: a 500.)"""
+    big = 123456789012345678901234567890
+    schema = {"type": "integer", "minimum": 0, "maximum": big}
+    out = chat(client, max_tokens=40, temperature=0,
+               response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}).choices[0]
+    # (llguidance reads JSON numbers as doubles, so a bound this large is matched to a
+    # double's precision: an exact `enum` of it would not be.)
+    assert out.finish_reason == "stop" and 0 <= json.loads(out.message.content) <= big
+
+
 BAD = [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}),
      "response_format", "Invalid type"),

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import torch

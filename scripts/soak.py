@@ -16,9 +16,8 @@ serving. The JSON (``--out``) holds every sample.
 
 A worker's RSS rises until every block of its KV pool has been handed out once: the pool
 is an anonymous mapping whose pages are committed on their first write. The run must be
-long enough for that to happen before its second quarter. 3,000 requests at ``--tp 2
---dp 2`` on a Zen 1 host were not (the workers went 355 -> 515 MiB, "GREW"); the default
-20,000 were (530 -> 534 MiB, flat; ``docs/performance.md``).
+long enough for that to happen before its second quarter: 3,000 requests at ``--tp 2
+--dp 2`` were not on a slow host, the default 20,000 were (``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -28,10 +28,11 @@ from aserve.sampling_params import (
     StructuredOutputsParams,
 )
 
-#: An integer that travels to the engine as it is: 64 bits (``SamplingParams.is_int64``
-#: says why). A larger one is a 400 naming its field, from the decoder.
+#: ``priority``'s range (``aserve.sampling_params.is_int64`` says why), checked as the
+#: body is decoded: the sampling fields' ranges are ``SamplingParams``'s, but priority is
+#: no sampling field, and the engine's own check in ``AsyncLLM.generate`` would come after
+#: a stream's first chunk.
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 
 
 class RequestError(InvalidInputError):
@@ -78,7 +79,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     best_of: int | None = None  # vLLM's benchmark client sends 1; only n (or None) is accepted
     temperature: float | None = None
     top_p: float | None = None
-    seed: Int64 | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -86,12 +87,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: Int64 | None = None
+    top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: Int64 = 0
+    min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int64 = 0

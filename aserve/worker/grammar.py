@@ -21,10 +21,11 @@ consumed, while the matchers' data is still in the cache, and kept for the next 
 a request new to the step). Measured in the worker (``docs/performance.md``), a mask
 computed after a forward pass has flushed the caches costs several times one computed
 warm; xgrammar's masks cost the same as llguidance's there. A thread computing the masks
-during the forward pass was measured twice and not kept: on two busy cores it took more
-CPU in all (0.64 s against 0.45 s a load) and the steps were no shorter, and pinned to
+during the forward pass was measured three times and not kept: on two busy cores it took
+more CPU in all (0.64 s against 0.45 s a load) and the steps were no shorter; pinned to
 the front end's core beside a one-call forward pass that holds no GIL, the unconstrained
-requests' ITL in a half-constrained load measured the same as without it.
+requests' ITL in a half-constrained load measured the same as without it (Zen 5), or
+12% worse (Zen 1, where the step then waited for a thread queued behind the API server).
 """
 
 from __future__ import annotations

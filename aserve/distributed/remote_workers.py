@@ -8,6 +8,14 @@ msgpack of a ``WorkerCall``; nothing is pickled) on one PUB socket, bound on the
 the output rank, a utility call's result) come back on one PULL socket at
 ``master_port + 2``, each as ``[rank, payload]``.
 
+Progress: a remote worker's layers move no counter the head can read, so each remote
+worker sends ``[rank, b""]`` (a reply is never empty) when it finishes a layer at least
+``PING_INTERVAL`` after its last such ping: at most one a second, and only while its
+layers run. The head counts them (:meth:`RemoteWorkers.progress`) beside its local
+workers' progress counters, so a step that keeps finishing layers on another node (a
+pipeline stage of its own there, running a long prefill) is waited for, as a local one
+is, and a stuck one, which finishes none, is not.
+
 Failure, both ways:
 
 - The head watches its PULL socket: a remote worker whose connection drops (the process
@@ -32,6 +40,8 @@ from aserve.errors import EngineDeadError
 from aserve.wire.auth import secure_client, secure_server
 
 _RANK = struct.Struct("<I")
+#: Seconds between a remote worker's progress pings, at most one per interval.
+PING_INTERVAL = 1.0
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH \
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
@@ -78,6 +88,7 @@ class RemoteWorkers:
         self._pull.bind(reply_address("*", master_port))
         self._pending: dict[int, collections.deque[bytes]] = {rank: collections.deque() for rank in ranks}
         self._joined = 0  # reply connections that completed their handshake
+        self._pings = 0  # progress pings received from every remote worker so far
 
     def publish(self, payload: bytes) -> None:
         self._pub.send(payload)
@@ -101,12 +112,29 @@ class RemoteWorkers:
                 if time.monotonic() >= deadline:
                     raise TimeoutError
                 continue
-            frames = self._pull.recv_multipart()
-            if len(frames) == 2 and len(frames[0]) == _RANK.size:
-                sender = _RANK.unpack(frames[0])[0]
-                if sender in self._pending:
-                    self._pending[sender].append(frames[1])
+            self._take(self._pull.recv_multipart())
         return self._pending[rank].popleft()
+
+    def progress(self) -> int:
+        """How many progress pings the remote workers have sent so far: the replies
+        waiting are taken into their queues, the pings counted; never blocks. A move
+        between two looks means some remote worker finished a layer in between."""
+        while True:
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return self._pings
+            self._take(frames)
+
+    def _take(self, frames: list[bytes]) -> None:
+        if len(frames) != 2 or len(frames[0]) != _RANK.size:
+            return
+        if not frames[1]:
+            self._pings += 1
+            return
+        sender = _RANK.unpack(frames[0])[0]
+        if sender in self._pending:
+            self._pending[sender].append(frames[1])
 
     def close(self) -> None:
         self._monitor.close(linger=0)
@@ -174,18 +202,36 @@ class CallSubscriber:
 class ReplyPusher:
     """A remote worker's replies: :meth:`write` as ``ShmRingWriter.write``."""
 
-    def __init__(self, ctx: zmq.Context, address: str, rank: int, secret: bytes | None) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, rank: int, secret: bytes | None, *,
+                 ping_interval: float = PING_INTERVAL) -> None:
+        self.ping_interval = ping_interval
         self._push = ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 1000)
         secure_client(self._push, secret)
         self._push.connect(address)
         self._rank = _RANK.pack(rank)
+        self._pinged = time.monotonic()
 
     def wait_for_readers(self, timeout: float) -> None:  # noqa: ARG002 (the ring's interface)
         return
 
     def write(self, payload: bytes) -> None:
+        """A reply (msgpack: never empty, which a ping is)."""
         self._push.send_multipart([self._rank, payload])
+
+    def layer_done(self) -> None:
+        """A layer of a step finished (the model's thread, which also writes the
+        replies: the socket has one user): a progress ping, if the last one (or the
+        socket's start) is ``ping_interval`` old. Never blocks the step: a ping the
+        socket cannot take now is dropped, as the next one says the same."""
+        now = time.monotonic()
+        if now - self._pinged < self.ping_interval:
+            return
+        self._pinged = now
+        try:
+            self._push.send_multipart([self._rank, b""], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def close(self) -> None:
         self._push.close()

@@ -11,9 +11,10 @@ heartbeat segment, stopped ticking for ``heartbeat_timeout``) fails the executor
 ``HealthConfig.step_bound`` (``--execute-model-timeout``, or ten times the longest step
 measured so far, at least 60 s): a worker that still ticks but is stuck. Progress is
 what the workers' progress counters show (``aserve.process.heartbeat.Progress``: a
-layer done): while a local worker's counter moves, the bound counts again from the move,
-so a step of any length that keeps finishing layers is waited for. (Workers on other
-nodes have no counter here: their steps are held to the bound from their start.)
+layer done), and for workers on other nodes their progress pings
+(``RemoteWorkers.progress``): while either moves, the bound counts again from the move,
+so a step of any length that keeps finishing layers, here or on another node, is waited
+for.
 """
 
 from __future__ import annotations
@@ -165,10 +166,13 @@ class MultiprocExecutor:
         return reply.output
 
     def _progressed(self) -> bool:
-        """Whether any local worker's progress counter moved since the last look."""
-        if self._heartbeats is None:
-            return False
-        seen = sum(self._heartbeats.progress(slot) for slot in self._progress_slots)
+        """Whether any local worker's progress counter, or the remote workers' count of
+        progress pings, moved since the last look."""
+        seen = 0
+        if self._heartbeats is not None:
+            seen += sum(self._heartbeats.progress(slot) for slot in self._progress_slots)
+        if self._remote is not None:
+            seen += self._remote.progress()
         moved, self._progress_seen = seen != self._progress_seen, seen
         return moved
 

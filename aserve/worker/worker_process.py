@@ -151,7 +151,8 @@ def run_worker(cfg: WorkerProcConfig) -> None:
 def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWriter,
            progress: Progress | None) -> None:
     """Build the worker and answer calls; ``progress``: advanced after every layer of a
-    step (the engine core then sees a long step as slow, not stuck)."""
+    step (the engine core then sees a long step as slow, not stuck). A worker on another
+    node has none; its reply socket's progress pings tell the head instead."""
     # torch and the model are imported here, in the worker, not at module level: the
     # engine core imports this module for its entry point and stays torch-free.
     import torch.distributed as dist
@@ -181,6 +182,8 @@ def _serve(cfg: WorkerProcConfig, broadcast: ShmRingReader, response: ShmRingWri
         worker = Worker(cfg.engine, tp, show_progress=cfg.rank == 0 and cfg.dp_rank == 0, dp_rank=cfg.dp_rank, pp=pp)
         if progress is not None:
             worker.runner.layer_done = progress.advance
+        elif cfg.remote_calls is not None:  # a worker on another node: pings over its reply socket
+            worker.runner.layer_done = response.layer_done
         _serve_calls(cfg, worker, broadcast, response)
     finally:
         if tp.comm is not None:

@@ -61,16 +61,18 @@ def _free_ports() -> int:
 
 
 def _node(model: Path, shm: Path, port: int, *, secret: str = SECRET, nnodes: int = 2, rank: int = 1,
-          split: tuple[str, ...] = ("--tp", "2")) -> subprocess.Popen:
+          split: tuple[str, ...] = ("--tp", "2"), env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [PRIVATE_SHM, str(shm), sys.executable, "-m", "aserve", "run", str(model), *split,
            "--nnodes", str(nnodes), "--node-rank", str(rank), "--headless", "--master-port", str(port),
            "--dp-secret", secret, "--kv-cache-memory", str(1 << 24), "--max-model-len", "256"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
 
 
-def _head(model: Path, shm: Path, port: int, *, nnodes: int = 2, split: tuple[str, ...] = ("--tp", "2")) -> Server:
+def _head(model: Path, shm: Path, port: int, *extra: str, nnodes: int = 2,
+          split: tuple[str, ...] = ("--tp", "2")) -> Server:
     return Server(model, *split, "--nnodes", str(nnodes), "--node-rank", "0", "--master-port",
-                  str(port), "--dp-secret", SECRET, launcher=(PRIVATE_SHM, str(shm)), wait=False)
+                  str(port), "--dp-secret", SECRET, *extra, launcher=(PRIVATE_SHM, str(shm)), wait=False)
 
 
 def _stop_both(node: subprocess.Popen, head: Server) -> None:
@@ -172,6 +174,74 @@ def test_a_pipeline_stage_per_node_answers_from_the_remote_output_rank(model_dir
         assert head.stop(signal.SIGTERM) == 0  # a clean stop of the head ...
         assert node.wait(60) == 0  # ... stops the node cleanly too
         assert "the head stopped the engine" in node.stdout.read()
+    finally:
+        _stop_both(node, head)
+    assert list(shm[0].iterdir()) == [] and list(shm[1].iterdir()) == []
+
+
+# Injected into the other node's worker only (a ``sitecustomize`` on its PYTHONPATH, as
+# tests/test_liveness.py does it): each layer of a prefill step, or the whole step, slowed.
+_SLOW_REMOTE = {
+    "layers": """
+import time
+import aserve.model.models.llama as llama
+_forward = llama.LlamaDecoderLayer.forward
+def forward(self, rope, x, residual, kv_cache, meta):
+    if meta.prefills:
+        time.sleep(1.2)
+    return _forward(self, rope, x, residual, kv_cache, meta)
+llama.LlamaDecoderLayer.forward = forward
+""",
+    "stuck": """
+import time
+import aserve.worker.model_runner as runner
+_execute = runner.ModelRunner.execute_model
+def execute_model(self, sched):
+    if any(n > 1 for n in sched.num_scheduled_tokens.values()):
+        time.sleep(12)
+    return _execute(self, sched)
+runner.ModelRunner.execute_model = execute_model
+""",
+}
+
+
+@pytest.mark.parametrize("remote_step", ["layers", "stuck"])
+def test_a_remote_stage_that_keeps_finishing_layers_outlasts_the_step_bound(tmp_path, remote_step):
+    """``--pp 2`` over two nodes with a 3 s step bound, and the remote stage's prefill
+    slowed: five layers of 1.2 s each (6 s in all, every layer a progress ping to the
+    head) is waited for; 12 s without a layer done is a stuck step, and takes the engine
+    down, as on one node."""
+    from aserve.model_builder import llama_config, random_llama_weights, write_model_dir
+    from aserve.tiny_tokenizer import build_tokenizer
+
+    cfg = llama_config(hidden_size=64, num_layers=10, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                       vocab_size=build_tokenizer().get_vocab_size(), max_position_embeddings=256)
+    model = tmp_path / "llama-10-layers"
+    write_model_dir(model, cfg, random_llama_weights(cfg, seed=0))
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_SLOW_REMOTE[remote_step])
+    shm = [tmp_path / f"shm{i}" for i in range(2)]
+    for d in shm:
+        d.mkdir()
+    port = _free_ports()
+    head = _head(model, shm[0], port, "--execute-model-timeout", "3", split=("--pp", "2"))
+    node = _node(model, shm[1], port, split=("--pp", "2"), env={"PYTHONPATH": str(inject)})
+    try:
+        head.wait_ready()
+        body = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        start = time.monotonic()
+        reply = httpx.post(head.base_url + "/v1/completions", json=body, timeout=60)
+        if remote_step == "layers":
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+            assert time.monotonic() - start >= 6  # the step really outlasted the bound
+            assert httpx.get(head.base_url + "/health", timeout=5).status_code == 200
+        else:
+            assert reply.status_code >= 500
+            assert time.monotonic() - start < 12  # found stuck at the bound, not after the sleep
+            assert head.proc.wait(60) != 0
+            assert "made no progress for 3 s" in head.output()
+            node.wait(60)  # the node goes too (TimeoutExpired if it stays)
     finally:
         _stop_both(node, head)
     assert list(shm[0].iterdir()) == [] and list(shm[1].iterdir()) == []

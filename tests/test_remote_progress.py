@@ -4,38 +4,17 @@ the head and counted, over a real ZeroMQ TCP connection."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import zmq
 
 from aserve.distributed.remote_workers import RemoteWorkers, ReplyPusher, reply_address
-
-
-def _free_port_pair() -> int:
-    """A port P with P + 1 and P + 2 free (the head binds the calls and the replies there)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        socks = []
-        try:
-            for i in (1, 2):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free ports")
+from tests.e2e.server import free_ports
 
 
 def test_pings_are_counted_apart_from_replies_and_at_most_one_an_interval():
     ctx = zmq.Context()
-    port = _free_port_pair()
+    port = free_ports(3)
     head = RemoteWorkers(ctx, master_addr="127.0.0.1", master_port=port, ranks=[1], secret=None)
     every_layer = ReplyPusher(ctx, reply_address("127.0.0.1", port), 1, None, ping_interval=0.0)
     rarely = ReplyPusher(ctx, reply_address("127.0.0.1", port), 1, None, ping_interval=3600.0)

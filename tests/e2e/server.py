@@ -118,3 +118,27 @@ def process_tree(pid: int) -> list[int]:
     except FileNotFoundError:
         return []
     return [k for c in kids for k in (c, *process_tree(c))]
+
+
+def free_ports(count: int) -> int:
+    """A port P with P .. P + count - 1 all free now (an engine across nodes binds its
+    rendezvous at P and its calls and replies at P + 1 and P + 2)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base > 65535 - count:
+            continue
+        socks = [socket.socket() for _ in range(count)]
+        try:
+            for i, sock in enumerate(socks):
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")

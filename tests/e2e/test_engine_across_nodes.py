@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ import httpx
 import pytest
 
 from aserve import LLM, SamplingParams
-from tests.e2e.server import Server, alive, aserve_dirs, process_tree
+from tests.e2e.server import Server, alive, aserve_dirs, free_ports, process_tree
 from tests.e2e.test_faults import _stream
 
 PRIVATE_SHM = str(Path(__file__).with_name("private_shm.sh"))
@@ -37,27 +36,6 @@ def _can_unshare() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _can_unshare(), reason="needs unshare -m (CAP_SYS_ADMIN) for a private /dev/shm")
-
-
-def _free_ports() -> int:
-    """A port P with P, P + 1 and P + 2 free (the rendezvous, the calls, the replies)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base > 65000:
-            continue
-        try:
-            socks = [socket.socket() for _ in range(3)]
-            for i, sock in enumerate(socks):
-                sock.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no three consecutive free ports")
 
 
 def _node(model: Path, shm: Path, port: int, *, secret: str = SECRET, nnodes: int = 2, rank: int = 1,
@@ -100,7 +78,7 @@ def test_two_nodes_serve_one_engine_and_fall_together(llama_dir, tmp_path, victi
     head_shm.mkdir()
     node_shm.mkdir()
     dirs_before = aserve_dirs()
-    port = _free_ports()
+    port = free_ports(3)
     head = _head(llama_dir, head_shm, port)
     node = _node(llama_dir, node_shm, port)
     pids: list[int] = []
@@ -162,7 +140,7 @@ def test_a_pipeline_stage_per_node_answers_from_the_remote_output_rank(model_dir
     shm = [tmp_path / f"shm{i}" for i in range(2)]
     for d in shm:
         d.mkdir()
-    port = _free_ports()
+    port = free_ports(3)
     head = _head(model, shm[0], port, split=("--pp", "2"))
     node = _node(model, shm[1], port, split=("--pp", "2"))
     try:
@@ -224,7 +202,7 @@ def test_a_remote_stage_that_keeps_finishing_layers_outlasts_the_step_bound(tmp_
     shm = [tmp_path / f"shm{i}" for i in range(2)]
     for d in shm:
         d.mkdir()
-    port = _free_ports()
+    port = free_ports(3)
     head = _head(model, shm[0], port, "--execute-model-timeout", "3", split=("--pp", "2"))
     node = _node(model, shm[1], port, split=("--pp", "2"), env={"PYTHONPATH": str(inject)})
     try:
@@ -252,7 +230,7 @@ def test_a_node_with_the_wrong_secret_is_refused(llama_dir, tmp_path):
     shm.mkdir()
     head_shm = tmp_path / "head-shm"
     head_shm.mkdir()
-    port = _free_ports()
+    port = free_ports(3)
     head = _head(llama_dir, head_shm, port)
     try:
         node = _node(llama_dir, shm, port, secret="not-the-secret-of-the-head")
@@ -271,7 +249,7 @@ def test_a_node_waiting_in_the_rendezvous_exits_when_the_head_goes(model_dirs, t
     start: the rendezvous cannot complete. When the head is killed, the waiting node
     exits within seconds, not at its start-up timeout (vLLM's headless nodes hang on
     here)."""
-    port = _free_ports()
+    port = free_ports(3)
     shm = [tmp_path / f"shm{i}" for i in range(2)]
     for d in shm:
         d.mkdir()

@@ -176,7 +176,7 @@ import aserve.worker.model_runner as runner
 _execute = runner.ModelRunner.execute_model
 def execute_model(self, sched):
     if any(n > 1 for n in sched.num_scheduled_tokens.values()):
-        time.sleep(12)
+        time.sleep(8)
     return _execute(self, sched)
 runner.ModelRunner.execute_model = execute_model
 """,
@@ -187,7 +187,7 @@ runner.ModelRunner.execute_model = execute_model
 def test_a_remote_stage_that_keeps_finishing_layers_outlasts_the_step_bound(tmp_path, remote_step):
     """``--pp 2`` over two nodes with a 3 s step bound, and the remote stage's prefill
     slowed: five layers of 1.2 s each (6 s in all, every layer a progress ping to the
-    head) is waited for; 12 s without a layer done is a stuck step, and takes the engine
+    head) is waited for; 8 s without a layer done is a stuck step, and takes the engine
     down, as on one node."""
     from aserve.model_builder import llama_config, random_llama_weights, write_model_dir
     from aserve.tiny_tokenizer import build_tokenizer
@@ -216,7 +216,7 @@ def test_a_remote_stage_that_keeps_finishing_layers_outlasts_the_step_bound(tmp_
             assert httpx.get(head.base_url + "/health", timeout=5).status_code == 200
         else:
             assert reply.status_code >= 500
-            assert time.monotonic() - start < 12  # found stuck at the bound, not after the sleep
+            assert time.monotonic() - start < 8  # found stuck at the bound, not after the sleep
             assert head.proc.wait(60) != 0
             assert "made no progress for 3 s" in head.output()
             node.wait(60)  # the node goes too (TimeoutExpired if it stays)

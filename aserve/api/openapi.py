@@ -85,7 +85,9 @@ def _constrain(components: dict[str, Any], served: tuple[str, ...], limits: Serv
     chat["properties"]["messages"]["minItems"] = 1
     chat["properties"]["messages"]["maxItems"] = limits.max_messages
     message = components["ChatMessage"]["properties"]
-    message["role"] = {"enum": ["system", "user", "assistant", "tool"]}
+    # Any role reaches the chat template (``developer`` as ``system`` where it never names
+    # it: aserve.frontend.tokenizer), which may refuse it: a 400 naming messages.
+    message["role"] = {"type": "string", "examples": ["system", "developer", "user", "assistant", "tool"]}
     message["content"] = _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": {
         "type": "object", "required": ["type", "text"],
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]})

@@ -5,7 +5,7 @@ Bodies are decoded with msgspec into typed structs; a wrong type or value raises
 error body. A top-level field aserve does not implement is refused the same way (a 400
 naming it), never silently ignored (vLLM ignores them with a log line); fields inside a
 message are not checked, since clients send back the assistant messages they received,
-with whatever fields those carried. vLLM's extra sampling
+with whatever fields those carried, but its content must be a string or text parts. vLLM's extra sampling
 fields (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``priority``, ...) are accepted in the body, and so are the output
 constraints (``response_format``, ``structured_outputs``, ``guided_*``:
@@ -255,7 +255,12 @@ class ChatMessage(msgspec.Struct):
             if part.get("type") != "text":
                 raise RequestError(f"content part type {part.get('type')!r} is not supported; only 'text'",
                                    param="messages")
-            parts.append(str(part.get("text", "")))
+            text = part.get("text")
+            if not isinstance(text, str):
+                # As OpenAI answers it: a text part without a string is not rendered as "" or "[]".
+                raise RequestError("a text content part needs 'text', a string"
+                                   + ("" if text is None else f", not {type(text).__name__}"), param="messages")
+            parts.append(text)
         return "".join(parts)
 
 

@@ -70,9 +70,17 @@ class Tokenizer:
 
         Raises ``InvalidInputError`` when the model has no template or the template
         rejects the messages (for example roles in an order it does not allow).
+
+        A ``developer`` message (OpenAI's newer name for the system prompt, which its
+        clients send) is given to a template that never names that role as ``system``, as
+        llama.cpp and vLLM's Responses API do: such a template would otherwise refuse it,
+        or drop it without a word. Any other role goes to the template as it is (as in
+        vLLM, where templates have roles of their own, such as Llama 3.1's ``ipython``).
         """
         if self.chat_template is None:
             raise InvalidInputError("this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+        if "developer" not in self.chat_template and any(m.get("role") == "developer" for m in messages):
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         if self._compiled_template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error

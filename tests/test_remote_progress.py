@@ -15,9 +15,9 @@ from tests.e2e.server import free_ports
 def test_pings_are_counted_apart_from_replies_and_at_most_one_an_interval():
     ctx = zmq.Context()
     port = free_ports(3)
-    head = RemoteWorkers(ctx, master_addr="127.0.0.1", master_port=port, ranks=[1], secret=None)
+    head = RemoteWorkers(ctx, master_addr="127.0.0.1", master_port=port, ranks=[1, 2], secret=None)
     every_layer = ReplyPusher(ctx, reply_address("127.0.0.1", port), 1, None, ping_interval=0.0)
-    rarely = ReplyPusher(ctx, reply_address("127.0.0.1", port), 1, None, ping_interval=3600.0)
+    rarely = ReplyPusher(ctx, reply_address("127.0.0.1", port), 2, None, ping_interval=3600.0)
     try:
         assert head.progress() == 0
         every_layer.write(b"first")
@@ -25,10 +25,13 @@ def test_pings_are_counted_apart_from_replies_and_at_most_one_an_interval():
         every_layer.layer_done()
         rarely.layer_done()  # within its interval of its start: no ping
         rarely.layer_done()
+        rarely.write(b"rarely's")
         every_layer.write(b"second")
-        # One connection keeps its order: once "second" is read, both pings before it were taken.
+        # Each connection keeps its order: once a pusher's last reply is read, every ping
+        # it sent before that reply has been taken (and counted) too.
         assert head.read(1, timeout=10) == b"first"
         assert head.read(1, timeout=10) == b"second"
+        assert head.read(2, timeout=10) == b"rarely's"
         assert head.progress() == 2
         # Pings taken while the head waits for no reply (its once-a-second look): a reply
         # taken with them waits in its rank's queue for the next read.

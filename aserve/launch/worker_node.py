@@ -17,8 +17,8 @@ how vLLM's headless nodes hang (vLLM #32136). It exits 0 when the head stopped t
 engine cleanly (every worker was told to shut down and exited 0), non-zero otherwise. When a worker dies it stops the others and
 exits non-zero; the head sees the workers' connections drop and takes its engine down.
 A secret that differs from the head's fails the CURVE handshake: the node says so and
-exits. Nothing is left behind: the node's instance (its TP segments, its IPC directory)
-is removed on every exit path.
+exits. Nothing is left behind: the node's instance (its TP segments; it has no IPC
+directory, so a SIGKILL of this process leaves none) is removed on every exit path.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def run_worker_node(fitted: FittedConfig, secret: bytes | None, log_level: str =
     skip_resource_tracker()
     config = fitted.config
     parallel = config.parallel
-    instance = Instance.create()
+    instance = Instance.create(ipc=False)  # its workers talk to the head over TCP
     spawn = mp.get_context("spawn")
     ctx = zmq.Context()
     workers: list[mp.process.BaseProcess] = []

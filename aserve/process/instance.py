@@ -21,12 +21,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Instance:
     id: str  # "aserve_<12 hex digits>": the prefix of every segment
-    dir: str  # private temporary directory of the IPC files
+    dir: str | None  # private temporary directory of the IPC files (None: the instance has none)
 
     @classmethod
-    def create(cls) -> Instance:
+    def create(cls, *, ipc: bool = True) -> Instance:
+        """A new instance; ``ipc=False`` for one that only names segments (a headless
+        node's workers), so that no directory is made: a directory is left behind when
+        its owner is killed with SIGKILL and no orphan of it removes it."""
         instance_id = f"aserve_{uuid.uuid4().hex[:12]}"
-        return cls(instance_id, tempfile.mkdtemp(prefix=f"{instance_id}-"))
+        return cls(instance_id, tempfile.mkdtemp(prefix=f"{instance_id}-") if ipc else None)
 
     def segment(self, name: str) -> str:
         """The name of this instance's shared-memory segment ``name`` (no ``/dev/shm/``)."""
@@ -34,6 +37,8 @@ class Instance:
 
     def ipc(self, name: str) -> str:
         """The ``ipc://`` address of this instance's socket file ``name``."""
+        if self.dir is None:
+            raise ValueError(f"instance {self.id} was created without an IPC directory")
         return f"ipc://{self.dir}/{name}"
 
     def cleanup(self) -> None:
@@ -43,4 +48,5 @@ class Instance:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -140,6 +140,7 @@ def test_a_pipeline_stage_per_node_answers_from_the_remote_output_rank(model_dir
     shm = [tmp_path / f"shm{i}" for i in range(2)]
     for d in shm:
         d.mkdir()
+    dirs_before = aserve_dirs()
     port = free_ports(3)
     head = _head(model, shm[0], port, split=("--pp", "2"))
     node = _node(model, shm[1], port, split=("--pp", "2"))
@@ -155,6 +156,7 @@ def test_a_pipeline_stage_per_node_answers_from_the_remote_output_rank(model_dir
     finally:
         _stop_both(node, head)
     assert list(shm[0].iterdir()) == [] and list(shm[1].iterdir()) == []
+    assert aserve_dirs() <= dirs_before
 
 
 # Injected into the other node's worker only (a ``sitecustomize`` on its PYTHONPATH, as
@@ -202,6 +204,7 @@ def test_a_remote_stage_that_keeps_finishing_layers_outlasts_the_step_bound(tmp_
     shm = [tmp_path / f"shm{i}" for i in range(2)]
     for d in shm:
         d.mkdir()
+    dirs_before = aserve_dirs()
     port = free_ports(3)
     head = _head(model, shm[0], port, "--execute-model-timeout", "3", split=("--pp", "2"))
     node = _node(model, shm[1], port, split=("--pp", "2"), env={"PYTHONPATH": str(inject)})
@@ -221,8 +224,9 @@ def test_a_remote_stage_that_keeps_finishing_layers_outlasts_the_step_bound(tmp_
             assert "made no progress for 3 s" in head.output()
             node.wait(60)  # the node goes too (TimeoutExpired if it stays)
     finally:
-        _stop_both(node, head)
+        _stop_both(node, head)  # "layers": the node's supervisor still runs, and is killed with SIGKILL
     assert list(shm[0].iterdir()) == [] and list(shm[1].iterdir()) == []
+    assert aserve_dirs() <= dirs_before  # no instance directory of either tree is left
 
 
 def test_a_node_with_the_wrong_secret_is_refused(llama_dir, tmp_path):
@@ -249,6 +253,7 @@ def test_a_node_waiting_in_the_rendezvous_exits_when_the_head_goes(model_dirs, t
     start: the rendezvous cannot complete. When the head is killed, the waiting node
     exits within seconds, not at its start-up timeout (vLLM's headless nodes hang on
     here)."""
+    dirs_before = aserve_dirs()
     port = free_ports(3)
     shm = [tmp_path / f"shm{i}" for i in range(2)]
     for d in shm:
@@ -270,3 +275,4 @@ def test_a_node_waiting_in_the_rendezvous_exits_when_the_head_goes(model_dirs, t
     finally:
         _stop_both(node, head)
     assert list(shm[1].iterdir()) == []
+    assert aserve_dirs() <= dirs_before

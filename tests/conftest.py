@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 # Triton's interpreter must be chosen before triton is first imported (PLATFORM-NOTES):
@@ -10,7 +11,41 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
+from tests.e2e.server import aserve_dirs, aserve_shm
 from tests.models import VARIANTS, build_model
+
+
+def aserve_traces() -> set[str]:
+    """What aserve leaves on this machine while it runs: instance directories in the
+    temporary directory, shared-memory segments, and processes titled ``aserve::``
+    (other than this one)."""
+    found = {f"dir {name}" for name in aserve_dirs()} | {f"segment {name}" for name in aserve_shm()}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                title = (proc / "cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if title.startswith(b"aserve::"):
+                found.add(f"process {proc.name} {title.decode(errors='replace')}")
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind():
+    """Every test module leaves no aserve process, segment or instance directory that it
+    did not find: a fault or a stop that leaves one fails the module, whichever test it
+    came from. Processes killed at the end of a test may still be exiting, and an
+    orphaned engine core removes its instance as it exits, so what is left is looked at
+    again for up to 30 s before it counts. The names are the machine's, not this
+    session's: an aserve server started by hand while the suite runs is counted too.
+    """
+    before = aserve_traces()
+    yield
+    deadline = time.monotonic() + 30
+    while (left := aserve_traces() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left behind by this module: {sorted(left)}"
 
 
 @pytest.fixture(scope="session")

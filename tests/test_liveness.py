@@ -24,6 +24,10 @@ from aserve.frontend.async_llm import AsyncLLM
 pytestmark = pytest.mark.anyio
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+# Half the default (4 s): the slow load and the long step last as many timeouts in half
+# the time; the heartbeat thread ticks once a second whatever the steps do, as the 8k
+# prefill test (tests/e2e/test_long_prefill.py) relies on at the same timeout.
+HEARTBEAT_TIMEOUT = 2.0
 
 SLOW_LOAD = """
 import time
@@ -78,22 +82,24 @@ async def _complete(llm: AsyncLLM, request_id: str) -> list[int]:
     return final.outputs[0].token_ids
 
 
-async def test_a_worker_that_takes_20_s_to_load_is_not_taken_for_dead(llama_dir, inject):
-    inject(SLOW_LOAD.format(seconds=20))
+async def test_a_worker_that_takes_10_s_to_load_is_not_taken_for_dead(llama_dir, inject):
+    inject(SLOW_LOAD.format(seconds=10))
     start = time.monotonic()
-    async with AsyncLLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22) as llm:
-        assert time.monotonic() - start >= 20  # the load really was slow: 5 heartbeat timeouts long
+    async with AsyncLLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22,
+                        heartbeat_timeout=HEARTBEAT_TIMEOUT) as llm:
+        assert time.monotonic() - start >= 10  # the load really was slow: 5 heartbeat timeouts long
         assert len(await _complete(llm, "r")) == 4
         await llm.check_health()
 
 
 async def test_a_long_step_is_not_taken_for_dead(llama_dir, inject):
-    # 12 s in one step: three default heartbeat timeouts, below the step bound's 60 s floor.
-    inject(SLOW_STEP.format(seconds=12))
-    async with AsyncLLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22) as llm:
+    # 6 s in one step: three heartbeat timeouts, below the step bound's 60 s floor.
+    inject(SLOW_STEP.format(seconds=6))
+    async with AsyncLLM(str(llama_dir), tensor_parallel_size=2, kv_cache_memory=1 << 22,
+                        heartbeat_timeout=HEARTBEAT_TIMEOUT) as llm:
         start = time.monotonic()
         assert len(await _complete(llm, "r")) == 4
-        assert time.monotonic() - start >= 12
+        assert time.monotonic() - start >= 6
         await llm.check_health()
 
 

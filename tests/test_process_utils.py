@@ -49,3 +49,25 @@ def test_short_slice_for_every_thread_keeps_nice():
     assert got["default"] != [250_000]
     assert got["now"] == [250_000]
     assert got["nices"] == [3]
+
+
+def test_an_instance_without_ipc_makes_no_directory_and_removes_its_segments():
+    import os
+
+    import pytest
+
+    from aserve.process.instance import Instance
+
+    with_dir, without = Instance.create(), Instance.create(ipc=False)
+    try:
+        assert os.path.isdir(with_dir.dir) and with_dir.ipc("x") == f"ipc://{with_dir.dir}/x"
+        assert without.dir is None
+        with pytest.raises(ValueError, match="without an IPC directory"):
+            without.ipc("x")
+        segment = Path("/dev/shm") / without.segment("tp")
+        segment.write_bytes(b"\0")
+        without.cleanup()
+        assert not segment.exists()
+    finally:
+        with_dir.cleanup()
+    assert not os.path.exists(with_dir.dir)

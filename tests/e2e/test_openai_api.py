@@ -24,7 +24,8 @@ def server(llama_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0)
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,9 @@ def server(request, llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    # Closed, not left to the garbage collector: a pooled connection it finds open warns.
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0) as client:
+        yield client
 
 
 def model_name(client):
@@ -227,7 +229,8 @@ def test_served_under_its_path_and_its_name(server, client):
 def thinker(tmp_path_factory):
     model = build_scripted_model(tmp_path_factory.mktemp("scripted") / "thinker")
     srv = Server(model, "--reasoning-parser", "qwen3", "--tp", "2", "--max-model-len", "2048")
-    yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+    with openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0) as client:
+        yield client
     assert srv.stop() == 0
 
 

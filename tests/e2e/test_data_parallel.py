@@ -103,44 +103,63 @@ def test_tp2_dp2_is_ten_processes_balanced_and_identical_to_dp1(llama_dir):
     assert aserve_shm() <= before[0] and aserve_dirs() <= before[1]
 
 
+def _stream_on(base_url: str, rank: int, outcome: dict, opened: threading.Event, first_chunk: threading.Event) -> None:
+    """Stream 200 tokens from engine ``rank``; ``outcome`` gets "error" (an error event
+    or a broken connection), "finish" (the last finish reason) and "done" ([DONE])."""
+    body = {"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True, "min_tokens": 200}
+    try:
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=30,
+                          headers={"X-data-parallel-rank": str(rank)}) as response:
+            outcome["status"] = response.status_code
+            opened.set()
+            for line in response.iter_lines():
+                if '"error"' in line:
+                    outcome["error"] = line
+                    return
+                if line == "data: [DONE]":
+                    outcome["done"] = True
+                elif line.startswith("data: {"):
+                    outcome["finish"] = json.loads(line[6:])["choices"][0]["finish_reason"]
+                    first_chunk.set()
+    except httpx.HTTPError as exc:
+        outcome["error"] = repr(exc)
+    finally:
+        opened.set()
+        first_chunk.set()
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
 def test_kill_9_of_one_engine_fails_its_requests_and_takes_the_tree_down(llama_dir, loop):
+    """Two streams on engine 1 when it is killed: one generating, one sent while the
+    engine was stopped (so it cannot have finished before the kill, however slow this host
+    is to deliver the signal). Both end with an error, never a clean end of stream."""
     before = aserve_shm(), aserve_dirs()
     server = Server(llama_dir, "--dp", "2", "--loop", loop)
     pids = server.pids()
     victim = server.titles()["aserve::engine_core_1"]
-    outcome: dict = {}
-    started = threading.Event()  # set at the first streamed chunk, or when the stream ends
-
-    def stream_on_engine_1() -> None:
-        body = {"prompt": "Hello", "max_tokens": 200, "stream": True, "ignore_eos": True, "min_tokens": 200}
-        try:
-            with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30,
-                              headers={"X-data-parallel-rank": "1"}) as response:
-                for line in response.iter_lines():
-                    if '"error"' in line:
-                        outcome["error"] = line
-                        return
-                    if line.startswith("data: {"):
-                        outcome["streaming"] = True
-                        started.set()
-        except httpx.HTTPError as exc:
-            outcome["error"] = repr(exc)
-        finally:
-            started.set()
-
-    reader = threading.Thread(target=stream_on_engine_1)
-    reader.start()
+    generating, queued = {}, {}
+    events = [threading.Event() for _ in range(4)]
+    readers = [threading.Thread(target=_stream_on, args=(server.base_url, 1, generating, events[0], events[1])),
+               threading.Thread(target=_stream_on, args=(server.base_url, 1, queued, events[2], events[3]))]
     try:
-        assert started.wait(30) and "streaming" in outcome
+        readers[0].start()
+        assert events[1].wait(30) and "finish" in generating, generating  # tokens are flowing
+        os.kill(victim, signal.SIGSTOP)  # engine 1 makes no more steps from here
+        readers[1].start()
+        assert events[2].wait(30) and queued.get("status") == 200, queued  # headers out, request queued
         os.kill(victim, signal.SIGKILL)
         start = time.monotonic()
         health = httpx.get(server.base_url + "/health", timeout=2)
         while health.status_code == 200 and time.monotonic() - start < 5:
             health = httpx.get(server.base_url + "/health", timeout=2)
         assert health.status_code == 503
-        reader.join(15)
-        assert not reader.is_alive() and "error" in outcome
+        for reader in readers:
+            reader.join(15)
+        assert not any(r.is_alive() for r in readers), "a stream hung"
+        assert "error" in queued, queued
+        # The generating stream fails too, unless a stalled host let all 200 tokens out
+        # before the SIGSTOP landed: then it must have ended as a whole stream does.
+        assert "error" in generating or (generating.get("finish") == "length" and generating.get("done")), generating
         code = server.proc.wait(60)
     finally:
         server.stop(signal.SIGKILL)

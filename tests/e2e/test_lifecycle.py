@@ -15,6 +15,27 @@ import pytest
 from tests.e2e.server import Server, alive, aserve_shm
 
 
+def _stream(base_url: str, outcome: dict, opened: threading.Event, first_chunk: threading.Event) -> None:
+    """Stream 200 tokens through the ``openai`` client; ``outcome`` gets "opened" (the
+    response started), "finish" (the last chunk's finish reason), then "ended" or "error"."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+    try:
+        stream = client.completions.create(model="llama", prompt="Hello", max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True, "min_tokens": 200})
+        outcome["opened"] = True
+        opened.set()
+        for chunk in stream:
+            outcome["finish"] = chunk.choices[0].finish_reason
+            first_chunk.set()
+        outcome["ended"] = True
+    except Exception as exc:  # the stream must end in an error, not hang
+        outcome["error"] = exc
+    finally:
+        opened.set()
+        first_chunk.set()
+        client.close()
+
+
 @pytest.mark.parametrize("victim, tp", [("aserve::worker_tp0", 1), ("aserve::engine_core_0", 1),
                                         # its peer waits for it in a shared-memory all-reduce
                                         ("aserve::worker_tp1", 2)])
@@ -26,23 +47,18 @@ def test_kill_9_fails_health_and_takes_the_tree_down(llama_dir, victim, tp):
     # A plain `aserve run` is 4 processes; each TP rank past the first adds a worker.
     assert sorted(titles) == ["aserve::api_server_0", "aserve::engine_core_0", "aserve::supervisor",
                               *[f"aserve::worker_tp{rank}" for rank in range(tp)]]
-    outcome = {}
-
-    def stream_forever():
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
-        try:
-            for _ in client.completions.create(model="llama", prompt="Hello", max_tokens=200, stream=True,
-                                               extra_body={"ignore_eos": True, "min_tokens": 200}):
-                outcome["streaming"] = True
-        except Exception as exc:  # the stream must end in an error, not hang
-            outcome["error"] = exc
-
-    reader = threading.Thread(target=stream_forever)
-    reader.start()
+    generating, queued = {}, {}
+    events = [threading.Event() for _ in range(4)]
+    readers = [threading.Thread(target=_stream, args=(server.base_url, generating, events[0], events[1])),
+               threading.Thread(target=_stream, args=(server.base_url, queued, events[2], events[3]))]
     try:
-        deadline = time.monotonic() + 30
-        while "streaming" not in outcome:
-            assert time.monotonic() < deadline
+        readers[0].start()
+        assert events[1].wait(30) and "finish" in generating, generating  # tokens are flowing
+        # Stopped first, so that the second stream, sent now, is surely in flight at the
+        # kill, however slowly this host delivers the signal.
+        os.kill(titles[victim], signal.SIGSTOP)
+        readers[1].start()
+        assert events[2].wait(30) and "opened" in queued, queued
         os.kill(titles[victim], signal.SIGKILL)
         start = time.monotonic()
         health = httpx.get(server.base_url + "/health", timeout=2)
@@ -52,8 +68,13 @@ def test_kill_9_fails_health_and_takes_the_tree_down(llama_dir, victim, tp):
         assert health.json()["error"]["code"] == 503
         r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=5)
         assert r.status_code == 503 and "dead" in r.json()["error"]["message"]
-        reader.join(15)
-        assert not reader.is_alive() and "error" in outcome
+        for reader in readers:
+            reader.join(15)
+        assert not any(r.is_alive() for r in readers), "a stream hung"
+        assert isinstance(queued.get("error"), openai.APIError), queued  # the client raises the error event
+        # The first stream fails too, unless a stalled host let all 200 tokens out before
+        # the SIGSTOP landed: then it must have ended as a whole stream does.
+        assert "error" in generating or (generating.get("finish") == "length" and "ended" in generating), generating
         code = server.proc.wait(30)
     finally:
         server.stop(signal.SIGKILL)

@@ -1,7 +1,7 @@
 """Builds aserve's C kernels on first use and caches the shared objects.
 
 Each kernel is one C file shipped with the package, compiled with the system's C
-compiler (``gcc -O3 -march=native``, no Python or torch headers; 0.1 to 11 s a kernel on
+compiler (``gcc -O3 -march=native``, no Python or torch headers; 0.1 to 9 s a kernel on
 a Zen 1 core, the decode attention's specialised loops being the slowest) into
 ``ASERVE_CACHE_DIR/kernels``, keyed by the source, the flags and this CPU, and loaded
 with ctypes. Where there is no compiler, or the build fails, :func:`build` returns None

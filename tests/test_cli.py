@@ -14,7 +14,8 @@ from aserve.model_builder import ensure_default_model
 
 def run_cli(*args, cache_dir):
     """``aserve ARGS`` with ``cache_dir`` as its cache, which shares the suite's compiled
-    kernels: compiling them again took 26 of a first ``generate``'s 29 s on Zen 1."""
+    kernels: compiling them again took most of a first ``generate`` (18-19 s on Zen 1,
+    3 s once built)."""
     shared = read_env().cache_dir / "kernels"
     shared.mkdir(parents=True, exist_ok=True)
     if not (cache_dir / "kernels").exists():

@@ -4,8 +4,9 @@ Each kernel is one C file shipped with the package, compiled with the system's C
 compiler (``gcc -O3 -march=native``, no Python or torch headers; 0.1 to 9 s a kernel on
 a Zen 1 core, the decode attention's specialised loops being the slowest) into
 ``ASERVE_CACHE_DIR/kernels``, keyed by the source, the flags and this CPU, and loaded
-with ctypes. Where there is no compiler, or the build fails, :func:`build` returns None
-and the caller keeps its plain-torch path.
+with ctypes. :func:`build_ahead` compiles one on a caller's thread while it does other
+work (a worker builds its two slowest that way). Where there is no compiler, or the
+build fails, :func:`build` returns None and the caller keeps its plain-torch path.
 """
 
 from __future__ import annotations
@@ -65,14 +66,27 @@ def vendor_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
     return ("-DASERVE_CPU_AMD=1",) if vendor == "AuthenticAMD" else ()
 
 
-def build(source_path: Path, cache_dir: Path, what: str, extra_flags: tuple[str, ...] = ()) -> Path | None:
+def build_ahead(source_path: Path, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Build what :func:`build` would, now, saying nothing: for a thread that compiles a
+    library while the caller does other work (``aserve.worker.worker``). Where there is
+    no compiler, the cache cannot be written or the build fails, nothing is built, and
+    the later :func:`build` tries again and logs why."""
+    try:
+        build(source_path, cache_dir, "", extra_flags, quiet=True)
+    except OSError:
+        pass
+
+
+def build(source_path: Path, cache_dir: Path, what: str, extra_flags: tuple[str, ...] = (), *,
+          quiet: bool = False) -> Path | None:
     """The shared object built from ``source_path`` (built now unless cached), or None
-    (logged, naming ``what`` falls back) without a compiler or when the build fails.
-    ``extra_flags`` follow ``FLAGS`` (a test builds an AVX2-only form with
+    (logged unless ``quiet``, naming ``what`` falls back) without a compiler or when the
+    build fails. ``extra_flags`` follow ``FLAGS`` (a test builds an AVX2-only form with
     ``-mno-avx512f``). Raises OSError when the cache directory cannot be written."""
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if compiler is None:
-        logger.warning("no C compiler found: %s uses the slower plain-torch path", what)
+        if not quiet:
+            logger.warning("no C compiler found: %s uses the slower plain-torch path", what)
         return None
     # The key covers the files beside the source: the kernels share cpu_kernels.h, and
     # cpu_llama_decode.c compiles the others into its library.
@@ -90,7 +104,9 @@ def build(source_path: Path, cache_dir: Path, what: str, extra_flags: tuple[str,
     try:
         result = subprocess.run([compiler, *flags, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
-            logger.warning("building the C kernel for %s failed (plain-torch path used):\n%s", what, result.stderr)
+            if not quiet:
+                logger.warning("building the C kernel for %s failed (plain-torch path used):\n%s", what,
+                               result.stderr)
             return None
         os.replace(tmp, target)
     finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from aserve.envs import read_env
-from aserve.kernels.cbuild import load_library
+from aserve.kernels.cbuild import build_ahead, load_library
 
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 _LIMITS = {"group": 64, "head_dim": 512, "block_size": 128}
@@ -28,6 +28,14 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 #: ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None, new_values=None)``
 DecodeAttention = Callable[..., torch.Tensor]
+
+
+def build() -> None:
+    """Compile the library :func:`load` loads, unless it is switched off (a worker runs
+    this on a thread while it loads the model; ``cbuild.build_ahead``)."""
+    env = read_env()
+    if env.cpu_attention != "sdpa":
+        build_ahead(_SOURCE, env.cache_dir / "kernels")
 
 
 def load() -> DecodeAttention | None:

@@ -35,7 +35,7 @@ import torch
 from aserve.envs import read_env
 from aserve.kernels.amx_linear import load_amx_library
 from aserve.kernels.bf16_linear import load_library_checked as load_bf16_library
-from aserve.kernels.cbuild import load_library
+from aserve.kernels.cbuild import build_ahead, load_library
 from aserve.kernels.f32_linear import cpu_supported as f32_cpu_supported
 
 _SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
@@ -241,11 +241,23 @@ def load(kind: str | None = None) -> LlamaDecodeKernel | None:
     return None
 
 
+def _float32_wanted() -> bool:
+    env = read_env()
+    return (env.cpu_fused_decode and env.cpu_fused_ops and env.cpu_f32_linear and env.cpu_attention != "sdpa"
+            and f32_cpu_supported())
+
+
+def build_float32() -> None:
+    """Compile the library :func:`load_float32` loads, unless it would return None before
+    building (a worker runs this on a thread while it loads the model)."""
+    if _float32_wanted():
+        build_ahead(_F32_SOURCE, read_env().cache_dir / "kernels")
+
+
 def load_float32() -> LlamaDecodeKernel | None:
     """The float32 library, or None where it is unavailable or switched off."""
     env = read_env()
-    if (not env.cpu_fused_decode or not env.cpu_fused_ops or not env.cpu_f32_linear or env.cpu_attention == "sdpa"
-            or not f32_cpu_supported()):
+    if not _float32_wanted():
         return None
     lib = load_library(_F32_SOURCE, env.cache_dir / "kernels", "the float32 fused decode step",
                        available="aserve_f32_linear_available")

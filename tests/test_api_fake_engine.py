@@ -153,3 +153,22 @@ async def test_an_unexpected_error_is_a_500_without_detail(llama_dir):
         assert r.json()["error"] == {"message": "internal server error", "type": "internal_error", "param": None,
                                      "code": 500}
         assert "secret" not in r.text and "Traceback" not in r.text
+
+
+async def test_a_malformed_or_disagreeing_rank_header_is_a_400_beside_the_body_field(llama_dir):
+    """vLLM's ``X-data-parallel-rank`` header is checked whenever it is sent: not only when
+    the body names no rank (a fuzzed request once had its garbage header ignored)."""
+    app = build_app(ServerState(engine=FakeEngine(llama_dir), served_model_name="fake"))
+    body = {"prompt": "Hello", "max_tokens": 2}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        for headers, extra, status in [({"X-data-parallel-rank": "0"}, {"data_parallel_rank": 0}, 200),
+                                       ({"X-data-parallel-rank": "0"}, {}, 200),
+                                       ({}, {"data_parallel_rank": 0}, 200),
+                                       ({"X-data-parallel-rank": ".5=x"}, {"data_parallel_rank": 0}, 400),
+                                       ({"X-data-parallel-rank": ""}, {}, 400),
+                                       ({"X-data-parallel-rank": "1"}, {"data_parallel_rank": 0}, 400),
+                                       ({"X-data-parallel-rank": "1"}, {}, 400)]:  # one engine: rank 1 is out of range
+            r = await client.post("/v1/completions", json={**body, **extra}, headers=headers)
+            assert r.status_code == status, (headers, extra, r.text)
+            if status == 400:
+                assert r.json()["error"]["param"] == "data_parallel_rank"

@@ -92,14 +92,19 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def dp_rank(state: ServerState, request: Request, req: Any) -> int | None:
     """The engine a request pins: the body's ``data_parallel_rank`` or vLLM's
-    ``X-data-parallel-rank`` header; a 400 when out of range."""
+    ``X-data-parallel-rank`` header; a 400 when out of range, when the header is not an
+    integer (even beside the body's field), or when the two disagree."""
     rank = req.data_parallel_rank
     header = request.headers.get("x-data-parallel-rank")
-    if rank is None and header is not None:
+    if header is not None:
         try:
-            rank = int(header)
+            pinned = int(header)
         except ValueError:
             raise InvalidInputError("X-data-parallel-rank must be an integer", param="data_parallel_rank") from None
+        if rank is not None and rank != pinned:
+            raise InvalidInputError(f"data_parallel_rank is {rank} in the body and {pinned} in the "
+                                    "X-data-parallel-rank header", param="data_parallel_rank")
+        rank = pinned
     num_engines = state.engine.num_engines
     if rank is not None and not 0 <= rank < num_engines:
         raise InvalidInputError(f"data_parallel_rank must be in [0, {num_engines}), got {rank}",

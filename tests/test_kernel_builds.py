@@ -1,10 +1,13 @@
 """Building the C kernels (aserve/kernels/cbuild.py): ahead of use on threads, quietly,
-and each library once."""
+and each library once, within a process and across the processes of one server."""
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,24 @@ def test_a_first_start_compiles_each_kernel_once_the_two_slowest_side_by_side(ll
     # Both started before either ended.
     first_end = min(events.index(f"end {src}") for src in ("cpu_decode_attention.c", "cpu_llama_decode_f32.c"))
     assert max(events.index(f"start {src}") for src in ("cpu_decode_attention.c", "cpu_llama_decode_f32.c")) < first_end
+
+
+@needs_gcc
+def test_processes_that_want_one_library_at_once_build_it_once(tmp_path):
+    """The workers of a TP server start together: one compiles each library while the
+    other waits on its lock and loads what it built; no lock file stays behind."""
+    log = tmp_path / "cc.log"
+    wrapper = tmp_path / "cc"  # a compiler slow enough that both processes want the library at once
+    wrapper.write_text(f'#!/bin/sh\necho start >> {log}\nsleep 1\nexec {shutil.which("gcc")} "$@"\n')
+    wrapper.chmod(0o755)
+    code = ("import sys; from pathlib import Path; from aserve.kernels import cbuild; "
+            "print(cbuild.build(Path(sys.argv[1]), Path(sys.argv[2]), 'token masks'))")
+    env = {**os.environ, "CC": str(wrapper)}
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(TOKEN_MASK), str(cache)], env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1] and outs[0].endswith(".so") and Path(outs[0]).is_file()
+    assert log.read_text() == "start\n"
+    assert [p.name for p in cache.iterdir()] == [Path(outs[0]).name]

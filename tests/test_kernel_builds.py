@@ -58,9 +58,9 @@ def test_building_ahead_says_nothing_where_the_build_cannot_be_done(tmp_path, mo
 @needs_gcc
 @pytest.mark.skipif(not f32_cpu_supported(), reason="this CPU lacks AVX2 and FMA: no float32 one-call decode step")
 def test_a_first_start_compiles_each_kernel_once_the_two_slowest_side_by_side(llama_dir, tmp_path, monkeypatch):
-    """A float32 model on a fresh cache: every library is compiled once (the threads that
-    build ahead are joined before anything loads what they build), and the decode
-    attention and the one-call decode step compile at the same time."""
+    """A float32 model on a fresh cache: every library is compiled once (a load of a
+    library a thread still builds waits on the build's lock), and the decode attention
+    and the one-call decode step compile at the same time."""
     log = tmp_path / "cc.log"
     wrapper = tmp_path / "cc"
     wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in *.c) src=$(basename "$a");; esac; done\n'

@@ -193,13 +193,11 @@ class Worker:
                     if self.dtype == self.kv_dtype == torch.bfloat16 and bf16 is not None:
                         kernel = load_decode_stack(bf16.kind)  # over the kernel the layers were packed for
                     elif self.dtype == torch.float32:
-                        for thread in ahead:
-                            thread.join()
-                        kernel = load_float32_decode_stack()
+                        kernel = load_float32_decode_stack()  # waits on the build's lock if a thread still builds it
                 if kernel is not None and model.attach_decode_stack(kernel) and at_start:
                     logger.info("rank %d: decode steps run the decoder layers from C (%s)", tp.rank,
                                 "one call" if tp.size == 1 else "two calls a layer, all-reduced between")
-        for thread in ahead:  # built before anything loads them, so no library is compiled twice
+        for thread in ahead:  # none outlives the model's building
             thread.join()
         return model
 
@@ -210,7 +208,8 @@ class Worker:
         compilers then run beside the weights' packing and the other kernels' builds, and
         a first start on two cores waits about half as long for its kernels
         (docs/engine.md). Once built, a library is found in the cache: the threads return
-        at once. The caller joins them before it loads either library."""
+        at once. A load of a library a thread is still building waits on the build's lock
+        (``cbuild.build``), so none is compiled twice."""
         kernel_dtypes = (torch.float32, torch.bfloat16)
         jobs = []
         if self.dtype in kernel_dtypes and self.kv_dtype in kernel_dtypes:

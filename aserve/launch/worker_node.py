@@ -11,11 +11,15 @@ socket (``aserve.distributed.remote_workers``).
 This process (``aserve::supervisor`` of the node) starts the node's workers and watches
 two things, sleeping between events (a socket event or a second's tick to look at the
 workers): the head, through a connection of its own to the head's publisher, and its
-workers. When the head goes (the connection, once made, drops) it stops the workers:
-SIGTERM, then SIGKILL for one stuck in a rendezvous that no longer has a head, which is
-how vLLM's headless nodes hang (vLLM #32136). It exits 0 when the head stopped the
-engine cleanly (every worker was told to shut down and exited 0), non-zero otherwise. When a worker dies it stops the others and
-exits non-zero; the head sees the workers' connections drop and takes its engine down.
+workers (:func:`watch`). When the head goes (the connection, once made, drops) it stops
+the workers: SIGTERM, then SIGKILL for one stuck in a rendezvous that no longer has a
+head, which is how vLLM's headless nodes hang (vLLM #32136). It exits 0 when the head
+stopped the engine cleanly (every worker was told to shut down and exited 0), non-zero
+otherwise. A worker told to shut down may exit before the head's connection drops (the
+head stops its own workers first): its exit 0 is taken as the head's stop once the
+connection drops. When a worker dies (a non-zero exit, or an exit 0 with the head still
+there 15 s later) the node stops the others and exits non-zero; the head sees the
+workers' connections drop and takes its engine down.
 A secret that differs from the head's fails the CURVE handshake: the node says so and
 exits. Nothing is left behind: the node's instance (its TP segments; it has no IPC
 directory, so a SIGKILL of this process leaves none) is removed on every exit path.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
+import time
 
 import zmq
 
@@ -49,9 +54,47 @@ def _raise_stop(signum, frame) -> None:  # noqa: ANN001
     raise _Stop
 
 
+#: Seconds a node waits, after a worker exited 0, for the head's connection to drop. A
+#: worker exits 0 when the head's engine core tells it to shut down, and the head closes
+#: its publisher only after stopping its own workers (``MultiprocExecutor.shutdown``: 5 s
+#: to exit when asked, then 5 s after SIGTERM), so a node may see its worker's exit first.
+HEAD_STOP_WAIT = 15.0
+
+
+def watch(head: CallSubscriber, workers: list, *, tick: float = 1.0, head_stop_wait: float = HEAD_STOP_WAIT,
+          clock=time.monotonic) -> bool:
+    """Sleep until the head goes or a worker exits (``head.wait_event`` wakes on the
+    connection's events and every ``tick`` seconds to look at the workers). True when the
+    head went, with or after workers that exited 0 (a clean stop of the engine): the
+    caller lets the rest exit on their own. False when a worker failed (a non-zero exit
+    code), or exited 0 while the head stayed for ``head_stop_wait`` s (a worker stopped
+    by hand): the caller stops the node."""
+    first_clean_exit = None
+    while True:
+        try:
+            head.wait_event(tick)
+        except HeadLostError as exc:
+            logger.info("%s: stopping this node's workers", exc)
+            return True
+        dead = [p for p in workers if p.exitcode is not None]
+        failed = [p for p in dead if p.exitcode != 0]
+        if failed:
+            logger.error("worker %s exited with code %s: stopping this node", failed[0].name, failed[0].exitcode)
+            return False
+        if dead:
+            # Most likely the head told it to shut down and is stopping its own workers
+            # before it closes the connection this process watches.
+            if first_clean_exit is None:
+                first_clean_exit = clock()
+            elif clock() - first_clean_exit > head_stop_wait:
+                logger.error("worker %s exited, and the head is still there %.0f s later: stopping this node",
+                             dead[0].name, head_stop_wait)
+                return False
+
+
 def run_worker_node(fitted: FittedConfig, secret: bytes | None, log_level: str = "INFO") -> int:
-    """Run this node's workers until the head goes, a worker dies, or SIGTERM/SIGINT
-    (exit 0 only for the last)."""
+    """Run this node's workers until the head goes, a worker dies, or SIGTERM/SIGINT.
+    Returns the exit code: 0 for SIGTERM/SIGINT or the head's clean stop."""
     configure_logging(log_level)
     set_process_title("aserve::supervisor")
     skip_resource_tracker()
@@ -88,17 +131,7 @@ def run_worker_node(fitted: FittedConfig, secret: bytes | None, log_level: str =
             workers.append(proc)
         print(f"aserve: node {parallel.node_rank} of {parallel.nnodes}: workers of ranks "
               f"{parallel.local_ranks.start}..{parallel.local_ranks.stop - 1} joined {calls}", flush=True)
-        while True:
-            try:
-                head.wait_event(1.0)
-            except HeadLostError as exc:
-                logger.info("%s: stopping this node's workers", exc)
-                head_gone = True
-                break
-            dead = [p for p in workers if p.exitcode is not None]
-            if dead:
-                logger.error("worker %s exited with code %s: stopping this node", dead[0].name, dead[0].exitcode)
-                break
+        head_gone = watch(head, workers)
     except HeadLostError as exc:
         logger.error("%s", exc)
     except TimeoutError as exc:

@@ -67,17 +67,19 @@ static inline void f32_store_row(float *y, __m256 a0, __m256 a1, int ncols, cons
     for (int j = 0; j < ncols; j++) y[j] = bias ? tmp[j] + bias[j] : tmp[j];
 }
 
-/* MRV (1-6) rows of x against one panel. Written out with named accumulators rather
- * than an array: with an array indexed in the store loop, GCC kept the accumulators on
- * the stack and stored them on every k (30 GFLOP/s instead of 70). */
+/* MRV (1-6) rows of x against one panel; `next` (or NULL): a panel to prefetch, a line
+ * (one k-step of it) per k-step. Written out with named accumulators rather than an
+ * array: with an array indexed in the store loop, GCC kept the accumulators on the stack
+ * and stored them on every k (30 GFLOP/s instead of 70). */
 #define F32_BLOCK(MRV)                                                                                                \
     static void f32_block##MRV(const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy, int64_t k,       \
-                               int ncols, const float *bias) {                                                       \
+                               int ncols, const float *bias, const float *next) {                                    \
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,          \
                c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;                                                \
         const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx,               \
                     *x5 = x + 5 * ldx;                                                                               \
         for (int64_t kk = 0; kk < k; kk++) {                                                                         \
+            if (next != NULL) _mm_prefetch((const char *)(next + kk * F32_PANEL), _MM_HINT_T1);                     \
             const __m256 b0 = _mm256_load_ps(wp + kk * F32_PANEL), b1 = _mm256_load_ps(wp + kk * F32_PANEL + 8);    \
             __m256 a = _mm256_broadcast_ss(x0 + kk);                                                                 \
             c00 = _mm256_fmadd_ps(a, b0, c00);                                                                       \
@@ -203,14 +205,25 @@ int aserve_f32_linear(const float *x, int64_t ldx, const float *wp, const float 
         const int ncols = (int)(n - p * F32_PANEL < F32_PANEL ? n - p * F32_PANEL : F32_PANEL);
         const float *b = bias ? bias + p * F32_PANEL : NULL;
         float *yp = y + p * F32_PANEL;
+        /* The first row block of this panel brings the next panel (this thread's next
+           under the static schedule) into L2, so the next panel's first block does not
+           wait on memory for each line: at decode sizes a panel is read from memory once
+           and then from L2 by each later block, and the hardware prefetcher alone left
+           that first pass short of the FMA rate (Zen 1, 152M shapes, two threads: 4-16
+           rows 8-35% faster, 32 rows 4-10%, 2,048 rows even; docs/performance.md). Not
+           for one row, where the kernel only streams weights and a second stream was
+           5-7% slower. */
+        const float *next = p + 1 < panels && rows > 1 ? w + k * F32_PANEL : NULL;
         int64_t r = 0;
-        for (; r + 6 <= rows; r += 6) f32_block6(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b);
+        for (; r + 6 <= rows; r += 6)
+            f32_block6(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b, r == 0 ? next : NULL);
+        const float *pf = r == 0 ? next : NULL;
         switch (rows - r) {
-            case 5: f32_block5(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b); break;
-            case 4: f32_block4(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b); break;
-            case 3: f32_block3(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b); break;
-            case 2: f32_block2(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b); break;
-            case 1: f32_block1(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b); break;
+            case 5: f32_block5(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b, pf); break;
+            case 4: f32_block4(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b, pf); break;
+            case 3: f32_block3(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b, pf); break;
+            case 2: f32_block2(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b, pf); break;
+            case 1: f32_block1(x + r * ldx, ldx, w, yp + r * ldy, ldy, k, ncols, b, pf); break;
         }
     }
     return 0;

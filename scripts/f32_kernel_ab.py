@@ -44,11 +44,12 @@ def build_both(revision: str, source: str) -> dict[str, Path]:
     from aserve.kernels.cbuild import build
 
     cache = read_env().cache_dir / "kernels"
-    old = Path(tempfile.mkdtemp(prefix="f32_kernel_ab_"))
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "aserve/kernels"], check=True,
                              capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    libs = {"before": build(old / "aserve" / "kernels" / source, cache, f"{source} at {revision}"),
+    with tempfile.TemporaryDirectory(prefix="f32_kernel_ab_") as old:  # the library goes to the cache
+        subprocess.run(["tar", "-x", "-C", old], input=archive, check=True)
+        before = build(Path(old) / "aserve" / "kernels" / source, cache, f"{source} at {revision}")
+    libs = {"before": before,
             "after": build(ROOT / "aserve" / "kernels" / source, cache, f"{source} in the working tree")}
     if None in libs.values():
         raise SystemExit("a library did not build (see the log)")

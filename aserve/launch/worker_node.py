@@ -31,6 +31,7 @@ import logging
 import multiprocessing as mp
 import signal
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -61,8 +62,8 @@ def _raise_stop(signum, frame) -> None:  # noqa: ANN001
 HEAD_STOP_WAIT = 15.0
 
 
-def watch(head: CallSubscriber, workers: list, *, tick: float = 1.0, head_stop_wait: float = HEAD_STOP_WAIT,
-          clock=time.monotonic) -> bool:
+def watch(head: CallSubscriber, workers: list[mp.process.BaseProcess], *, tick: float = 1.0,
+          head_stop_wait: float = HEAD_STOP_WAIT, clock: Callable[[], float] = time.monotonic) -> bool:
     """Sleep until the head goes or a worker exits (``head.wait_event`` wakes on the
     connection's events and every ``tick`` seconds to look at the workers). True when the
     head went, with or after workers that exited 0 (a clean stop of the engine): the

@@ -59,35 +59,23 @@ def build_both(revision: str, source: str) -> dict[str, Path]:
 def linear_rounds(libs: dict[str, Path], args: argparse.Namespace) -> None:
     import torch
 
+    from aserve.kernels.f32_linear import F32Linear
+
     torch.set_num_threads(args.threads)
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    loaded = {}
-    for name, path in libs.items():
-        lib = ctypes.CDLL(str(path))
-        lib.aserve_f32_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
-        lib.aserve_f32_packed_numel.restype = i64
-        lib.aserve_f32_pack.argtypes = [p, i64, i64, p]
-        loaded[name] = lib
-    any_lib = loaded["after"]
+    kernels = {name: F32Linear(ctypes.CDLL(str(path))) for name, path in libs.items()}
     for shape, (n, k) in SHAPES[args.shapes].items():
-        weights = []
-        for _ in range(args.weights):  # 32-byte aligned, as f32_linear.pack makes them
-            buf = torch.empty(any_lib.aserve_f32_packed_numel(n, k) + 8)
-            packed = buf[(-buf.data_ptr() // 4) % 8:]
-            w = torch.randn(n, k)
-            any_lib.aserve_f32_pack(w.data_ptr(), n, k, packed.data_ptr())
-            weights.append(packed)
+        weights = [kernels["after"].pack(torch.randn(n, k)) for _ in range(args.weights)]  # one layout for both
         for rows in args.rows:
-            x, y = torch.randn(rows, k), torch.empty(rows, n)
+            x = torch.randn(rows, k)
             reps = max(1, 512 // rows)
-            rates: dict[str, list[float]] = {name: [] for name in loaded}
+            rates: dict[str, list[float]] = {name: [] for name in kernels}
             for rnd in range(args.rounds):
-                for name in loaded if rnd % 2 == 0 else reversed(loaded):
-                    fn = loaded[name].aserve_f32_linear
+                for name in kernels if rnd % 2 == 0 else reversed(kernels):
+                    kernel = kernels[name]
                     start = time.perf_counter()
                     for _ in range(reps):
                         for w in weights:
-                            fn(x.data_ptr(), k, w.data_ptr(), None, y.data_ptr(), n, rows, n, k, args.threads)
+                            kernel.linear(x, w, n)
                     per_call = (time.perf_counter() - start) / reps / len(weights)
                     rates[name].append(2 * rows * n * k / per_call / 1e9)
             print(f"{shape:8} {rows:5} rows  " + "  ".join(

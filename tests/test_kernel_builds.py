@@ -86,15 +86,18 @@ def test_processes_that_want_one_library_at_once_build_it_once(tmp_path):
     """The workers of a TP server start together: one compiles each library while the
     other waits on its lock and loads what it built; no lock file stays behind."""
     log = tmp_path / "cc.log"
-    wrapper = tmp_path / "cc"  # a compiler slow enough that both processes want the library at once
-    wrapper.write_text(f'#!/bin/sh\necho start >> {log}\nsleep 1\nexec {shutil.which("gcc")} "$@"\n')
+    asked = [tmp_path / f"asked{i}" for i in range(2)]
+    wrapper = tmp_path / "cc"  # a compiler that goes on once both processes have asked for the library
+    wrapper.write_text(f'#!/bin/sh\necho start >> {log}\n'
+                       f'while [ ! -e {asked[0]} ] || [ ! -e {asked[1]} ]; do sleep 0.05; done\n'
+                       f'exec {shutil.which("gcc")} "$@"\n')
     wrapper.chmod(0o755)
-    code = ("import sys; from pathlib import Path; from aserve.kernels import cbuild; "
+    code = ("import sys; from pathlib import Path; from aserve.kernels import cbuild; Path(sys.argv[3]).touch(); "
             "print(cbuild.build(Path(sys.argv[1]), Path(sys.argv[2]), 'token masks'))")
     env = {**os.environ, "CC": str(wrapper)}
     cache = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(TOKEN_MASK), str(cache)], env=env,
-                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(TOKEN_MASK), str(cache), str(flag)], env=env,
+                              stdout=subprocess.PIPE, text=True) for flag in asked]
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert outs[0] == outs[1] and outs[0].endswith(".so") and Path(outs[0]).is_file()

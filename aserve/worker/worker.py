@@ -209,7 +209,7 @@ class Worker:
         a first start on two cores waits about half as long for its kernels
         (docs/engine.md). Once built, a library is found in the cache: the threads return
         at once. A load of a library a thread is still building waits on the build's lock
-        (``cbuild.build``), so none is compiled twice."""
+        (``cbuild.build``) instead of compiling it again."""
         kernel_dtypes = (torch.float32, torch.bfloat16)
         jobs = []
         if self.dtype in kernel_dtypes and self.kv_dtype in kernel_dtypes:

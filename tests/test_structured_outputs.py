@@ -14,7 +14,7 @@ import pytest
 from aserve import LLM, SamplingParams
 from aserve.frontend.structured_outputs import StructuredOutputError, compile_grammar
 from aserve.sampling_params import StructuredOutputsParams as SO
-from aserve.worker.grammar import GrammarState
+from aserve.engine.grammar import GrammarState
 
 PERSON = {
     "type": "object",
@@ -109,6 +109,22 @@ def test_tensor_parallel_ranks_mask_alike(llama_dir, llm):
     assert [o.outputs[0].token_ids for o in got] == expected
 
 
+def test_pipeline_stages_sample_under_the_same_masks(model_dirs):
+    """Three stages (Gemma 2's three layers): three steps in flight, so the engine writes
+    the next step before a step's masks (they wait for the output of the step before),
+    and the last stage reads ahead to them; the other stages skip them."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=SO(json=PERSON))
+              for s in range(3)]
+    params.append(SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    with LLM(str(model_dirs["gemma2"]), kv_cache_memory=1 << 24) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
+    with LLM(str(model_dirs["gemma2"]), kv_cache_memory=1 << 24, pipeline_parallel_size=3) as pp3:
+        got = pp3.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    for out in got[:3]:
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+
+
 @pytest.mark.parametrize("constraint,needle", [
     (SO(json={"type": "objekt"}), "Invalid type"),
     (SO(json="{not json"), "not valid JSON"),
@@ -148,71 +164,77 @@ def test_the_grammar_starts_after_its_marker(llama_dir):
     tok = Tokenizer(Path(llama_dir))
     state = GrammarState(Path(llama_dir), tok.vocab_size, ())
     marker = tok.encode("</think>", add_special_tokens=False)
-    state.add("r", compile_grammar(SO(choice=["yes"])), marker, tok.encode("I think", add_special_tokens=False))
-    assert state.allowed(["r"]) is None  # still thinking: free
-    state.after_step([("r", token) for token in marker])
-    rows, bits = state.allowed(["free", "r"])
+    state.add("r", compile_grammar(SO(choice=["yes"])), marker)
+    state.consume("r", tok.encode("I think", add_special_tokens=False))
+    assert state.masks(["r"])[0] == []  # still thinking: free
+    state.consume("r", marker)
+    ids, bits = state.masks(["free", "r"])
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : tok.vocab_size]
-    assert rows == [1] and allowed[0].sum() >= 1
+    assert ids == ["r"] and allowed[0].sum() >= 1
     assert all(tok.decode([t]) and "yes".startswith(tok.decode([t])) for t in allowed[0].nonzero()[0].tolist())
 
 
-def test_masks_kept_from_the_last_step_equal_masks_computed_on_the_spot(llama_dir):
-    """The same walk through two GrammarStates, one using the masks it computed at the end
-    of the last step and one made to compute every mask on the spot: requests join
-    mid-walk, leave, come back after preemption (a new matcher fed the tokens so far), and
-    one starts its grammar after a marker."""
-    from aserve.frontend.tokenizer import Tokenizer
+class _TwoInFlight:
+    """An in-process executor run with two steps in flight, as worker processes run
+    them, recording the order of what the engine sends: a step, its masks, its output."""
 
-    tok = Tokenizer(Path(llama_dir))
-    person, digits = compile_grammar(SO(json=PERSON)), compile_grammar(SO(regex="[0-9]{1,40}"))
-    marker = tok.encode("</think>", add_special_tokens=False)
-    kept = GrammarState(Path(llama_dir), tok.vocab_size, (tok.eos_token_id,))
-    fresh = GrammarState(Path(llama_dir), tok.vocab_size, (tok.eos_token_id,))
-    rng = np.random.default_rng(0)
-    outputs: dict[str, list[int]] = {}
-    grammars: dict[str, tuple[str, list[int]]] = {}
+    max_inflight = 2
 
-    def add(rid, grammar, after=()):
-        grammars[rid] = (grammar, list(after))
-        for state in (kept, fresh):
-            state.add(rid, grammar, list(after), list(outputs.setdefault(rid, [])))
+    def __init__(self, inner):
+        self.inner = inner
+        self.queue = []
+        self.events = []
 
-    add("a", person)
-    add("b", digits)
-    add("think", person, marker)
-    reused = 0
-    for step in range(60):
-        if step == 5:
-            add("c", person)
-        if step == 20:  # "b" is preempted, then comes back with its tokens so far
-            kept.remove("b"), fresh.remove("b")
-            add("b", *grammars["b"])
-        if step == 30:
-            kept.remove("c"), fresh.remove("c")
-        if step == 8:  # the marker arrives: "think" is constrained from now on
-            outputs["think"] += marker
-            kept.after_step([("think", t) for t in marker]), fresh.after_step([("think", t) for t in marker])
-            continue
-        rids = sorted(outputs) + ["free"]
-        rids = [r for r in rids if r in kept or r == "free"]
-        reused += sum(1 for r in rids if r in kept._next)
-        fresh._next = {}
-        got, expected = kept.allowed(rids), fresh.allowed(rids)
-        assert got is not None and expected is not None
-        assert got[0] == expected[0]
-        assert np.array_equal(got[1], expected[1]), f"step {step}"
-        sampled = []
-        for row, mask in zip(got[0], got[1]):
-            allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[: tok.vocab_size].nonzero()[0]
-            sampled.append((rids[row], int(rng.choice(allowed))))
-        if "think" not in [r for r, _ in sampled]:  # still thinking: free tokens
-            sampled.append(("think", int(rng.integers(tok.vocab_size))))
-        for rid, t in sampled:
-            outputs[rid].append(t)
-        kept.after_step(sampled + [("free", 5)])
-        fresh.after_step(sampled + [("free", 5)])
-    assert reused > 100  # the kept masks were used, not recomputed
+    def submit_model(self, sched):
+        number = sum(1 for e in self.events if e[0] == "step")
+        self.queue.append((number, sched))
+        self.events.append(("step", number, sched.masks_follow))
+
+    def submit_masks(self, masks):
+        self.events.append(("masks", self.queue[0][0], tuple(masks.req_ids)))
+        self.inner.submit_masks(masks)
+
+    def wait_model(self):
+        number, sched = self.queue.pop(0)
+        self.inner.submit_model(sched)
+        out = self.inner.wait_model()
+        self.events.append(("output", number, None))
+        return out
+
+    def shutdown(self):
+        pass
+
+
+def test_the_masks_of_a_step_follow_it_once_the_step_before_is_done(llama_dir, llm):
+    """With two steps in flight the engine core sends a step's masks after the output of
+    the step before it and before the step after it, only for steps that asked; the
+    tokens are the one-step-at-a-time engine's, and every output is valid."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=SO(json=PERSON))
+              for s in range(3)]
+    params.append(SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))  # free, and the last to end
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(str(llama_dir), kv_cache_memory=1 << 24) as two:
+        executor = two.engine.executor = _TwoInFlight(two.engine.executor)
+        two.engine.max_inflight = 2
+        got = two.generate(PROMPTS, params)
+        assert len(two.engine.grammars) == 0  # every matcher left with its request
+    assert [o.outputs[0].token_ids for o in got] == expected
+    for out in got[:3]:
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+
+    events = executor.events
+    steps = [step for kind, step, _ in events if kind == "step"]
+    asked = {step for kind, step, follow in events if kind == "step" and follow}
+    assert len(asked) > 20 and len(asked) < len(steps)  # the free request's last steps ask nothing
+    assert [step for kind, step, _ in events if kind == "masks"] == sorted(asked)
+    for k, (kind, step, _) in enumerate(events):
+        if kind == "masks":
+            i = steps.index(step)
+            seen = events[:k]
+            assert i == 0 or ("output", steps[i - 1], None) in seen  # after the step before it ...
+            # ... and ahead of the next
+            assert i + 1 == len(steps) or not any(e[0] == "step" and e[1] == steps[i + 1] for e in seen)
+            assert ("output", step, None) not in seen
 
 
 def test_a_matcher_that_refused_a_token_may_still_end(llama_dir):
@@ -224,16 +246,17 @@ def test_a_matcher_that_refused_a_token_may_still_end(llama_dir):
     tok = Tokenizer(Path(llama_dir))
     digits = compile_grammar(SO(regex="[0-9]{1,40}"))
     state = GrammarState(Path(llama_dir), tok.vocab_size, (tok.eos_token_id,))
-    state.add("bad", digits, [], [])
-    state.add("good", digits, [], [])
+    state.add("bad", digits, [])
+    state.add("good", digits, [])
     letter = tok.encode("x", add_special_tokens=False)[0]
     one = tok.encode("1", add_special_tokens=False)[0]
-    state.after_step([("bad", letter), ("good", one)])
-    rows, bits = state.allowed(["good", "bad"])
+    state.consume("bad", [letter])
+    state.consume("good", [one])
+    ids, bits = state.masks(["good", "bad"])
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : tok.vocab_size]
-    assert rows == [0, 1]
+    assert ids == ["good", "bad"]
     assert allowed[1][tok.eos_token_id] == 1
     assert all(tok.decode([t]).isdigit() or t == tok.eos_token_id for t in allowed[1].nonzero()[0].tolist())
     assert allowed[0][one] == 1  # the good row still takes digits
     state.remove("bad")  # gone: its error with it
-    assert state.allowed(["good", "bad"])[0] == [0]
+    assert state.masks(["good", "bad"])[0] == ["good"]

@@ -10,14 +10,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 from aserve.config import EngineConfig
 from aserve.engine.fit import FittedConfig
+from aserve.engine.grammar import GrammarState
 from aserve.engine.kv_cache_manager import KVCacheManager
 from aserve.engine.request import Request, check_fits
 from aserve.engine.scheduler import Scheduler
 from aserve.errors import AserveError, InvalidInputError
 from aserve.wire.messages import EngineCoreOutput, EngineCoreRequest
+from aserve.wire.worker_messages import GrammarMasks, SchedulerOutput
 
 
 class EngineCore:
@@ -42,7 +45,12 @@ class EngineCore:
         # With pipeline stages, one batch per stage (of different requests: the scheduler's
         # pipeline_batches), so every stage has work.
         self.max_inflight = max(getattr(self.executor, "max_inflight", 1), pp)
-        self._inflight: deque = deque()
+        self._inflight: deque[SchedulerOutput] = deque()
+        # Structured outputs' matchers (aserve.engine.grammar). A step with a constrained
+        # request is followed by its masks once every step before it has been processed
+        # (it is the oldest in flight): _masks_sent is the last step they were sent for.
+        self.grammars = GrammarState(Path(config.model.model), fitted.arch.vocab_size, fitted.arch.eos_token_ids)
+        self._masks_sent: SchedulerOutput | None = None
         # Totals since start, for metrics: the engine's own count of what it served, the
         # same whichever API server asks.
         self.num_requests_received = 0
@@ -65,6 +73,8 @@ class EngineCore:
         return prepared
 
     def add_prepared(self, request: Request) -> None:
+        if request.grammar is not None:
+            self.grammars.add(request.request_id, request.grammar, request.grammar_after)
         self.scheduler.add_request(request)
         self.num_requests_received += 1
         self.num_prompt_tokens += request.num_prompt_tokens
@@ -76,10 +86,43 @@ class EngineCore:
         return self._count(self.scheduler.abort_requests(request_ids))
 
     def _count(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Every output the engine gives passes here: counted, and fed to its matcher."""
+        grammars = self.grammars
         for out in outputs:
             self.num_generation_tokens += len(out.new_token_ids)
+            if grammars and out.request_id in grammars:
+                grammars.consume(out.request_id, out.new_token_ids)
+                if out.finish_reason is not None:
+                    grammars.remove(out.request_id)
             if out.finish_reason is not None:
                 self.num_requests_finished += 1
+        return outputs
+
+    def _send_due_masks(self) -> None:
+        """Send the masks of the oldest step in flight if it asked for them and they are
+        not sent yet: every step before it has been processed, so its requests' matchers
+        have every token the step continues from. Called when an output has been taken
+        (the usual case: the matchers just consumed its tokens and are in the cache),
+        before a step is scheduled (so the masks go ahead of it on the ring), after one
+        is submitted (the only one in flight is due at once) and before an output is
+        awaited; a call with nothing due costs a comparison."""
+        if not self._inflight:
+            return
+        sched = self._inflight[0]
+        if sched.masks_follow and sched is not self._masks_sent:
+            ids, bits = self.grammars.masks(sched.num_scheduled_tokens)
+            masks = GrammarMasks(ids, self.grammars.words, bits.tobytes())
+            self.executor.submit_masks(masks)  # type: ignore[attr-defined]
+            self._masks_sent = sched
+
+    def _finish_oldest(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest step in flight and take its output; then the next step's
+        masks go at once, while the matchers that just took the tokens are in the cache."""
+        self._send_due_masks()
+        sched = self._inflight.popleft()
+        runner_output = self.executor.wait_model()  # type: ignore[attr-defined]
+        outputs = self._count(self.scheduler.update_from_output(sched, runner_output))
+        self._send_due_masks()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -97,17 +140,18 @@ class EngineCore:
         # Requests that waited past their max_queue_time leave before the step is filled.
         expired = self._count(self.scheduler.expire_queued(time.monotonic()))
         if len(self._inflight) < self.max_inflight:
+            self._send_due_masks()
             sched = self.scheduler.schedule()
             if not sched.is_empty or sched.freed_req_ids:
+                sched.masks_follow = self.grammars.any_of(sched.num_scheduled_tokens)
                 executor.submit_model(sched)  # type: ignore[attr-defined]
                 self._inflight.append(sched)
+                self._send_due_masks()
                 if len(self._inflight) < self.max_inflight:
                     return expired
         if not self._inflight:
             return expired
-        sched = self._inflight.popleft()
-        runner_output = executor.wait_model()  # type: ignore[attr-defined]
-        return expired + self._count(self.scheduler.update_from_output(sched, runner_output))
+        return expired + self._finish_oldest()
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
@@ -125,8 +169,7 @@ class EngineCore:
         if self.sleeping >= level:
             return
         while self._inflight:  # a last step that only told the workers which requests ended
-            sched = self._inflight.popleft()
-            self._count(self.scheduler.update_from_output(sched, self.executor.wait_model()))  # type: ignore[attr-defined]
+            self._finish_oldest()
         self.scheduler.reset_prefix_cache()  # the pool's contents are gone
         self.executor.collective_rpc("sleep", level)  # type: ignore[attr-defined]
         self.sleeping = level

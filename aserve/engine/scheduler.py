@@ -238,8 +238,6 @@ class Scheduler:
                     block_ids=self.kv.block_ids(request.request_id),
                     num_computed_tokens=num_cached,
                     stop_token_ids=sorted(self._stop_ids(request)),
-                    grammar=request.grammar,
-                    grammar_after=request.grammar_after,
                 )
             )
             self._advance(request, n)

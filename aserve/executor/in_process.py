@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aserve.config import EngineConfig
 from aserve.distributed.tp_group import TPGroup
-from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
+from aserve.wire.worker_messages import GrammarMasks, RunnerOutput, SchedulerOutput
 from aserve.worker.worker import Worker
 
 
@@ -21,10 +21,21 @@ class InProcessExecutor:
             torch.set_num_threads(config.parallel.worker_threads)  # the caller asked: this process is the worker
         self.worker = Worker(config, TPGroup.single())
         self._pending: SchedulerOutput | None = None
+        self._masks: GrammarMasks | None = None
+        self.worker.runner.fetch_masks = self._take_masks
 
     def submit_model(self, sched: SchedulerOutput) -> None:
         assert self._pending is None, "one step at a time"
         self._pending = sched
+
+    def submit_masks(self, masks: GrammarMasks) -> None:
+        """The masks of the step submitted (the engine sends them before it waits)."""
+        self._masks = masks
+
+    def _take_masks(self) -> GrammarMasks:
+        masks, self._masks = self._masks, None
+        assert masks is not None, "a step that asked for grammar masks was run without them"
+        return masks
 
     def wait_model(self) -> RunnerOutput:
         sched, self._pending = self._pending, None

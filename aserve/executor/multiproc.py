@@ -35,7 +35,9 @@ from aserve.process.heartbeat import HeartbeatMonitor, HeartbeatTable, worker_sl
 from aserve.process.instance import Instance
 from aserve.process.stop import stop_processes
 from aserve.process.utils import skip_resource_tracker
-from aserve.wire.worker_messages import REPLY_DECODER, RunnerOutput, SchedulerOutput, WorkerCall, WorkerMethod, WorkerReply
+from aserve.wire.worker_messages import (
+    REPLY_DECODER, GrammarMasks, RunnerOutput, SchedulerOutput, WorkerCall, WorkerMethod, WorkerReply,
+)
 from aserve.worker.worker_process import WorkerProcConfig, run_worker, worker_title
 
 logger = logging.getLogger("aserve.executor")
@@ -214,6 +216,12 @@ class MultiprocExecutor:
         self._write(WorkerCall("execute_model", sched, output_rank=self.output_rank),
                     time.monotonic() + self._health.step_bound(self.longest_step))
         self._submitted.append(time.monotonic())
+
+    def submit_masks(self, masks: GrammarMasks) -> None:
+        """The grammar masks of the oldest step in flight, behind it on the ring: the
+        ranks that sample read them before they sample (``SchedulerOutput.masks_follow``)."""
+        deadline = time.monotonic() + self._health.step_bound(self.longest_step)
+        self._write(WorkerCall("grammar_masks", masks=masks), deadline)
 
     def wait_model(self) -> RunnerOutput:
         """The output of the oldest step written and not yet read; ``EngineDeadError``

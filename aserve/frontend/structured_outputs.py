@@ -1,5 +1,5 @@
 """Structured outputs, front-end side: from ``StructuredOutputsParams`` to the grammar
-the workers enforce, checked before anything is sent.
+the engine enforces, checked before anything is sent.
 
 A grammar library does the matching: llguidance (``docs/structured-outputs.md`` says
 why it and not xgrammar, with the figures). Here each request's constraint becomes one
@@ -7,8 +7,8 @@ llguidance grammar (its JSON form, a string), which is validated (a JSON Schema 
 not one, a feature llguidance cannot compile, a regex or grammar that does not parse: an
 ``InvalidInputError`` naming ``param``, a 400 over HTTP) and cached by its text, so a
 schema seen before costs a dictionary lookup. The string goes to the engine with the
-request (``EngineCoreRequest.grammar``); each worker compiles it once for its tokenizer
-and masks the logits (``aserve.worker.grammar``).
+request (``EngineCoreRequest.grammar``); the engine core compiles it once for its tokenizer and
+computes the masks that the workers apply to the logits (``aserve.engine.grammar``).
 
 JSON is compact by default: llguidance's ``whitespace_flexible`` is off, so separators
 are exactly ``,`` and ``:`` and no whitespace can run on between tokens; a small model

@@ -32,8 +32,6 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids: list[int] = []  # EOS and stop token ids, masked before min_tokens
-    grammar: str | None = None  # structured outputs: what the output must match (aserve.worker.grammar)
-    grammar_after: list[int] = []  # ... from the first output token after these ids
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -51,6 +49,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     num_scheduled_tokens: dict[str, int] = {}
     total_num_scheduled_tokens: int = 0
     freed_req_ids: list[str] = []  # forget these before running this step
+    # Structured outputs: a request of this step has a grammar, so a ``grammar_masks``
+    # call follows on the ring, written once the tokens before this step are known;
+    # every rank that samples reads it before it samples (aserve.engine.grammar).
+    masks_follow: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -66,7 +68,18 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     prompt_logprobs: dict[str, list[TokenLogprobs]]
 
 
-WorkerMethod = Literal["execute_model", "shutdown", "sleep", "wake_up", "start_profile", "stop_profile"]
+class GrammarMasks(msgspec.Struct, array_like=True, gc=False):
+    """The token masks of one step's rows under a started grammar: ``bits`` is int32
+    [len(req_ids), words], little-endian, bit ``t % 32`` of word ``t // 32`` set where token ``t`` may come next.
+    A row of the step not named here samples freely."""
+
+    req_ids: list[str]
+    words: int
+    bits: bytes
+
+
+WorkerMethod = Literal["execute_model", "grammar_masks", "shutdown", "sleep", "wake_up", "start_profile",
+                       "stop_profile"]
 
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -74,6 +87,7 @@ class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     sched: SchedulerOutput | None = None
     output_rank: int = 0  # the one rank that replies
     arg: int | str | None = None  # sleep's level, start_profile's directory
+    masks: GrammarMasks | None = None  # grammar_masks: those of the step in flight that asked
 
 
 class WorkerReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

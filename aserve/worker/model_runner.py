@@ -31,11 +31,10 @@ from aserve.kernels.cpu_prefill_attention import PrefillAttention
 from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.kernels.token_mask import TokenMaskKernel
 from aserve.sampling_params import SamplingParams
-from aserve.wire.worker_messages import RunnerOutput, SchedulerOutput
+from aserve.wire.worker_messages import GrammarMasks, RunnerOutput, SchedulerOutput
 from aserve.distributed.pp_group import PPGroup
 from aserve.worker.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, capture_sizes
 from aserve.worker.decode_staging import DecodeStaging
-from aserve.worker.grammar import GrammarState
 from aserve.worker.sampler import Sampler, SamplingRow, batched_logprobs
 from aserve.wire.messages import TokenLogprobs
 
@@ -45,6 +44,19 @@ def _long_tensor(values: list[int]) -> torch.Tensor:
     element by element (450 us for 4,096 ints on this machine, 6 us for 32), numpy in
     52 and 1.3 us. A step builds five such tensors and the block table."""
     return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
+
+
+def _allowed(masks: GrammarMasks, sample_ids: list[str]) -> tuple[list[int], np.ndarray] | None:
+    """The sampler's view of ``masks``: (indices of the sampling rows they name, their
+    int32 [k, words] rows in that order), or None when they name none of them."""
+    index = {rid: k for k, rid in enumerate(masks.req_ids)}
+    rows = [i for i, rid in enumerate(sample_ids) if rid in index]
+    if not rows:
+        return None
+    bits = np.frombuffer(masks.bits, dtype="<i4").reshape(len(masks.req_ids), masks.words)
+    order = [index[sample_ids[i]] for i in rows]
+    # Usually the masks come in the rows' order, one for each: no copy.
+    return rows, bits if order == list(range(len(bits))) else bits[order]
 
 
 @dataclass
@@ -60,22 +72,24 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, block_size: int, seed: int, use_decode_staging: bool = True,
-                 device: torch.device | None = None, grammars: GrammarState | None = None,
-                 token_mask: TokenMaskKernel | None = None, triton_attention: bool = False,
+                 device: torch.device | None = None, token_mask: TokenMaskKernel | None = None,
+                 triton_attention: bool = False,
                  pp: PPGroup | None = None) -> None:
-        """``device``: where ``model`` is (default: the CPU); ``grammars``: the
-        structured-output state of constrained requests (None: none may come);
-        ``token_mask``: the C kernel that applies their masks (None: numpy);
+        """``device``: where ``model`` is (default: the CPU); ``token_mask``: the C
+        kernel that applies structured outputs' masks (None: numpy);
         ``triton_attention``: attention and the KV store on the Triton kernels (the GPU
         path; on CPU tensors, Triton's interpreter), instead of the C kernels and torch;
         ``pp``: this rank's pipeline stage (None: the whole model). A stage before the
         last sends its hidden states on and gets the sampled tokens back; only the last
-        stage samples (and keeps grammars)."""
+        stage samples.
+
+        ``fetch_masks`` (set by whoever serves the engine's calls) returns the grammar
+        masks of the step in progress when it asked for them (``masks_follow``); the
+        engine core computes them (``aserve.engine.grammar``)."""
+        self.fetch_masks: Callable[[], GrammarMasks] | None = None
         self.triton_attention = triton_attention
         self.pp = pp if pp is not None and pp.size > 1 else None
-        self.samples = self.pp is None or self.pp.is_last
         self.model = model
-        self.grammars = grammars
         self.device = device or torch.device("cpu")
         self.on_cpu = self.device.type == "cpu"
         self.block_size = block_size
@@ -197,17 +211,11 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             if self.staging is not None:
                 self.staging.release(req_id)
-            if self.grammars is not None:
-                self.grammars.remove(req_id)
         for new in sched.new_requests:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, new.stop_token_ids,
             )
-            if new.grammar is not None and self.samples:
-                if self.grammars is None:
-                    raise RuntimeError("a request with a grammar reached a model runner without structured outputs")
-                self.grammars.add(new.req_id, new.grammar, new.grammar_after, new.token_ids[new.num_prompt_tokens:])
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -315,13 +323,13 @@ class ModelRunner:
             assert decode_table is not None and seq_lens is not None
             hidden = self.graphs.run(input_t, pos_t, slot_mapping, decode_table, seq_lens)  # None: no bucket fits
         if self.pp is not None:
-            return self._pipeline_step(scheduled, starts, input_t, pos_t, meta)
+            return self._pipeline_step(scheduled, starts, input_t, pos_t, meta, sched.masks_follow)
         if hidden is None:
             hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]
-        return self._sample(scheduled, starts, hidden)
+        return self._sample(scheduled, starts, hidden, sched.masks_follow)
 
     def _pipeline_step(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int], input_t: torch.Tensor,
-                       pos_t: torch.Tensor, meta: AttentionMetadata) -> RunnerOutput:
+                       pos_t: torch.Tensor, meta: AttentionMetadata, masks_follow: bool) -> RunnerOutput:
         """This stage's part of the step: the previous stage's hidden states in (after
         the first), this stage's layers, then the hidden states out (before the last) or
         the sampling (the last). A stage before the last is done with the step once its
@@ -334,36 +342,41 @@ class ModelRunner:
             intermediate = pp.recv(input_t.shape[0], self.model.cfg.hidden_size, self.model_dtype, self.device)
         out = self.model(input_t, pos_t, self.kv_caches, meta, intermediate)
         if pp.is_last:
-            return self._sample(scheduled, starts, out)
+            return self._sample(scheduled, starts, out, masks_follow)
         pp.send(*out)
         return RunnerOutput([], [], {}, {})  # only the last stage's output rank replies
 
     def _sample(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int],
-                hidden: torch.Tensor) -> RunnerOutput:
+                hidden: torch.Tensor, masks_follow: bool) -> RunnerOutput:
         """Logits and tokens for the rows that reach the end of their known tokens, and
-        the prompt logprobs asked for."""
+        the prompt logprobs asked for; ``masks_follow``: the step's grammar masks are to
+        be read (whether or not a constrained row samples now)."""
         # Rows that reach the end of their known tokens sample the next one.
         sample_rows = [r for r, (s, n) in enumerate(scheduled) if s.num_computed_tokens + n == len(s.token_ids)]
         sample_ids = [scheduled[r][0].req_id for r in sample_rows]
-        constrained = self.grammars is not None and len(self.grammars) > 0
         prompt_logprobs = self._prompt_logprobs(scheduled, starts, hidden)
         if not sample_rows:
+            if masks_follow:
+                self._read_masks()  # read all the same: the next step's come after them
             return RunnerOutput([], [], {}, prompt_logprobs)
         last_token = _long_tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows]).to(self.device)
         logits = self.model.compute_logits(hidden[last_token])  # [N, vocab], sampled where they are
         rows = [scheduled[r][0] for r in sample_rows]
-        allowed = self.grammars.allowed(sample_ids) if constrained else None
+        # Read as late as can be: the engine core computes them while this step runs.
+        allowed = _allowed(self._read_masks(), sample_ids) if masks_follow else None
         tokens, logprobs = self.sampler(
             logits, [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.stop_token_ids) for s in rows], allowed
         )
         for state, token in zip(rows, tokens):
             state.token_ids.append(token)
-        if constrained:
-            # Every constrained row, active or still before its grammar's start marker.
-            self.grammars.after_step(list(zip(sample_ids, tokens)))
         return RunnerOutput(
             sample_ids, tokens, {rid: lp for rid, lp in zip(sample_ids, logprobs) if lp is not None}, prompt_logprobs
         )
+
+    def _read_masks(self) -> GrammarMasks:
+        if self.fetch_masks is None:
+            raise RuntimeError("a step with grammar masks reached a model runner that cannot read them")
+        return self.fetch_masks()
 
     def _prompt_logprobs(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int], hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the prompt tokens this step computed, for requests that asked.

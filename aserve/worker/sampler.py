@@ -3,7 +3,7 @@
 Order of operations (as in vLLM): raw logprobs are taken first (what ``logprobs``
 reports), then stop tokens are masked until ``min_tokens``, ``logit_bias`` is added, then
 the penalties, then a
-structured output's grammar masks what it does not allow (``aserve.worker.grammar``;
+structured output's grammar masks what it does not allow (``aserve.engine.grammar``;
 where that leaves nothing, because ``min_tokens`` masked the end the grammar requires,
 the grammar wins), then greedy rows take the argmax while the others are divided by
 their temperature, filtered by top-k, top-p and min-p, and sampled.
@@ -59,7 +59,8 @@ def apply_token_bitmask_torch(logits: torch.Tensor, rows: list[int], bits: np.nd
     device (the GPU path): the packed words go over once and are unpacked there. In place;
     returns how many rows were left with nothing finite."""
     vocab = logits.shape[1]
-    words = torch.from_numpy(np.ascontiguousarray(bits, dtype=np.int32)).to(logits.device)
+    # A copy: the masks may be a read-only view of the call that brought them.
+    words = torch.from_numpy(np.array(bits, dtype=np.int32, order="C")).to(logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [k, <=V]
     if allowed.shape[1] < vocab:  # tokens past the mask's words are never allowed
@@ -90,8 +91,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  allowed: tuple[list[int], np.ndarray] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [N, V] for N rows; ``allowed``: (row indices, packed masks [k, words]) of
-        rows under a grammar (``GrammarState.allowed``). Returns the chosen token ids and, for rows that asked, their
-        logprobs (chosen token first, then the top-n)."""
+        rows under a grammar (from the engine core's ``GrammarMasks``). Returns the chosen
+        token ids and, for rows that asked, their logprobs (chosen token first, then the
+        top-n)."""
         logits = logits.float()
         dev = logits.device
         n_rows = len(rows)

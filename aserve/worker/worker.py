@@ -39,7 +39,6 @@ from aserve.worker.cpu_memory import keep_freed_memory, release_free_memory
 from aserve.model.kv_spec import local_kv_heads
 from aserve.model.pipeline import Stage, stage_layers
 from aserve.worker.cuda_graphs import graph_blockers
-from aserve.worker.grammar import GrammarState
 from aserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("aserve.worker")
@@ -98,7 +97,6 @@ class Worker:
             release_free_memory()
         self.runner = ModelRunner(model, block_size=config.cache.block_size, seed=config.model.seed,
                                   device=self.device,
-                                  grammars=GrammarState(model_dir, arch.vocab_size, arch.eos_token_ids),
                                   token_mask=load_token_mask(), triton_attention=self.use_triton, pp=pp)
         assert config.cache.num_blocks is not None
         self.runner.init_kv_cache(

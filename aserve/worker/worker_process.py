@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,7 +24,7 @@ import zmq
 from aserve.config import EngineConfig
 from aserve.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from aserve.envs import read_env
-from aserve.wire.worker_messages import CALL_DECODER, WorkerCall, WorkerReply
+from aserve.wire.worker_messages import CALL_DECODER, GrammarMasks, WorkerCall, WorkerReply
 from aserve.process.heartbeat import Heartbeat, HeartbeatTable, Progress, worker_slot
 from aserve.process.utils import (
     available_cores,
@@ -271,16 +272,36 @@ def _serve_calls(cfg: WorkerProcConfig, worker, broadcast: ShmRingReader, respon
     # Every method a call may name; nothing else is reachable from the ring.
     utilities = {"sleep": worker.sleep, "wake_up": worker.wake_up, "start_profile": worker.start_profile,
                  "stop_profile": worker.stop_profile}
+    # Calls read ahead while a step waited for its grammar masks (with pipeline stages the
+    # engine may write the next step first), taken before the ring's next.
+    ahead: deque[WorkerCall] = deque()
+
+    def fetch_masks() -> GrammarMasks:
+        """The grammar masks the step in progress asked for (``masks_follow``)."""
+        while True:
+            call: WorkerCall = CALL_DECODER.decode(broadcast.read())
+            if call.method == "grammar_masks":
+                assert call.masks is not None
+                return call.masks
+            if call.method == "shutdown":
+                raise _Shutdown
+            ahead.append(call)
+
+    worker.runner.fetch_masks = fetch_masks
     while True:
-        call: WorkerCall = CALL_DECODER.decode(broadcast.read())
+        call = ahead.popleft() if ahead else CALL_DECODER.decode(broadcast.read())
         if call.method == "shutdown":
             return
+        if call.method == "grammar_masks":
+            continue  # masks for the ranks that sample (with pipeline stages: the last stage's)
         try:
             if call.method == "execute_model":
                 reply = WorkerReply(ok=True, output=worker.execute_model(call.sched))
             else:
                 result = utilities[call.method](*(() if call.arg is None else (call.arg,)))
                 reply = WorkerReply(ok=True, result=None if result is None else str(result))
+        except _Shutdown:
+            return  # the engine stopped while this step waited for its masks
         except Exception as exc:
             logger.exception("%s failed", call.method)
             reply = WorkerReply(ok=False, error=f"{type(exc).__name__}: {exc}")
@@ -288,3 +309,7 @@ def _serve_calls(cfg: WorkerProcConfig, worker, broadcast: ShmRingReader, respon
             response.write(encoder.encode(reply))
         if not reply.ok and call.method == "execute_model":
             raise RuntimeError(reply.error)  # a failed step ends the worker; a failed utility call does not
+
+
+class _Shutdown(Exception):
+    """The engine's shutdown call, read while a step waited for its grammar masks."""

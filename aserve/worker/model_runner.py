@@ -373,6 +373,11 @@ class ModelRunner:
             sample_ids, tokens, {rid: lp for rid, lp in zip(sample_ids, logprobs) if lp is not None}, prompt_logprobs
         )
 
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples (every rank but those of a stage before the last)."""
+        return self.pp is None or self.pp.is_last
+
     def _read_masks(self) -> GrammarMasks:
         if self.fetch_masks is None:
             raise RuntimeError("a step with grammar masks reached a model runner that cannot read them")

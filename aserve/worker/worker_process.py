@@ -293,7 +293,9 @@ def _serve_calls(cfg: WorkerProcConfig, worker, broadcast: ShmRingReader, respon
         if call.method == "shutdown":
             return
         if call.method == "grammar_masks":
-            continue  # masks for the ranks that sample (with pipeline stages: the last stage's)
+            if worker.runner.samples:  # its step reads them: here they would be out of order
+                raise RuntimeError("grammar masks arrived with no step waiting for them")
+            continue  # a pipeline stage before the last: masks are for the last stage
         try:
             if call.method == "execute_model":
                 reply = WorkerReply(ok=True, output=worker.execute_model(call.sched))

@@ -87,10 +87,11 @@ class EngineCore:
 
     def _count(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Every output the engine gives passes here: counted, and fed to its matcher."""
-        grammars = self.grammars
+        # None when no request is constrained (the usual case): one test a call, not one an output.
+        grammars = self.grammars if len(self.grammars) else None
         for out in outputs:
             self.num_generation_tokens += len(out.new_token_ids)
-            if grammars and out.request_id in grammars:
+            if grammars is not None and out.request_id in grammars:
                 grammars.consume(out.request_id, out.new_token_ids)
                 if out.finish_reason is not None:
                     grammars.remove(out.request_id)

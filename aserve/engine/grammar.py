@@ -24,7 +24,6 @@ Only the engine core's step thread calls it. torch-free, like the rest of the en
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-logger = logging.getLogger("aserve.engine")
 
 #: Compiled grammars kept (by text) for later requests to copy.
 COMPILED_CACHE = 256

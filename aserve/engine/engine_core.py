@@ -47,10 +47,9 @@ class EngineCore:
         self.max_inflight = max(getattr(self.executor, "max_inflight", 1), pp)
         self._inflight: deque[SchedulerOutput] = deque()
         # Structured outputs' matchers (aserve.engine.grammar). A step with a constrained
-        # request is followed by its masks once every step before it has been processed
-        # (it is the oldest in flight): _masks_sent is the last step they were sent for.
+        # request is followed by its masks once every step before it has been processed,
+        # i.e. when it becomes the oldest in flight.
         self.grammars = GrammarState(Path(config.model.model), fitted.arch.vocab_size, fitted.arch.eos_token_ids)
-        self._masks_sent: SchedulerOutput | None = None
         # Totals since start, for metrics: the engine's own count of what it served, the
         # same whichever API server asks.
         self.num_requests_received = 0
@@ -99,31 +98,27 @@ class EngineCore:
                 self.num_requests_finished += 1
         return outputs
 
-    def _send_due_masks(self) -> None:
-        """Send the masks of the oldest step in flight if it asked for them and they are
-        not sent yet: every step before it has been processed, so its requests' matchers
-        have every token the step continues from. Called when an output has been taken
-        (the usual case: the matchers just consumed its tokens and are in the cache),
-        before a step is scheduled (so the masks go ahead of it on the ring), after one
-        is submitted (the only one in flight is due at once) and before an output is
-        awaited; a call with nothing due costs a comparison."""
-        if not self._inflight:
-            return
-        sched = self._inflight[0]
-        if sched.masks_follow and sched is not self._masks_sent:
+    def _send_masks_of_oldest(self) -> None:
+        """Send the masks of the oldest step in flight if it asked for them: every step
+        before it has been processed, so its requests' matchers have every token the step
+        continues from. Called exactly where a step becomes the oldest, so once a step:
+        when it is submitted with none before it, and when the output of the one before
+        it has been taken (the matchers just consumed its tokens and are in the cache).
+        Either comes before the next step is scheduled, so on the ring the masks precede
+        every step written after them."""
+        if self._inflight and self._inflight[0].masks_follow:
+            sched = self._inflight[0]
             ids, bits = self.grammars.masks(sched.num_scheduled_tokens)
             masks = GrammarMasks(ids, self.grammars.words, bits.tobytes())
             self.executor.submit_masks(masks)  # type: ignore[attr-defined]
-            self._masks_sent = sched
 
     def _finish_oldest(self) -> list[EngineCoreOutput]:
         """Wait for the oldest step in flight and take its output; then the next step's
         masks go at once, while the matchers that just took the tokens are in the cache."""
-        self._send_due_masks()
         sched = self._inflight.popleft()
         runner_output = self.executor.wait_model()  # type: ignore[attr-defined]
         outputs = self._count(self.scheduler.update_from_output(sched, runner_output))
-        self._send_due_masks()
+        self._send_masks_of_oldest()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -141,13 +136,13 @@ class EngineCore:
         # Requests that waited past their max_queue_time leave before the step is filled.
         expired = self._count(self.scheduler.expire_queued(time.monotonic()))
         if len(self._inflight) < self.max_inflight:
-            self._send_due_masks()
             sched = self.scheduler.schedule()
             if not sched.is_empty or sched.freed_req_ids:
                 sched.masks_follow = self.grammars.any_of(sched.num_scheduled_tokens)
                 executor.submit_model(sched)  # type: ignore[attr-defined]
                 self._inflight.append(sched)
-                self._send_due_masks()
+                if len(self._inflight) == 1:
+                    self._send_masks_of_oldest()
                 if len(self._inflight) < self.max_inflight:
                     return expired
         if not self._inflight:

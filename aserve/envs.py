@@ -12,6 +12,8 @@ variable                     meaning                                            
 ``ASERVE_CPU_BF16_LINEAR``   ``0``: no AVX512-BF16 linear kernel (oneDNN)         ``1``
 ``ASERVE_CPU_F32_LINEAR``    ``0``: float32 linear layers on oneDNN and MKL       ``1``
 ``ASERVE_CPU_FUSED_DECODE``  ``0``: decode steps call each layer's kernels apart  ``1``
+``ASERVE_CPU_DECODE_PREFIX`` ``0``: decode rows attend over a shared prefix one  ``1``
+                             by one, not together on AMX tiles
 ``ASERVE_DP_SECRET``         shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
 ``ASERVE_TRITON``            ``auto``: the Triton kernels on a GPU; ``1``: also   ``auto``
                              on CPU tensors (needs ``TRITON_INTERPRET=1``: tests);
@@ -40,6 +42,7 @@ class Env:
     cpu_bf16_linear: bool = True
     cpu_fused_decode: bool = True
     cpu_f32_linear: bool = True
+    cpu_decode_prefix: bool = True
     triton: str = "auto"  # auto | on | off
 
 
@@ -56,6 +59,7 @@ def read_env(environ: dict[str, str] | None = None) -> Env:
         cpu_bf16_linear=environ.get("ASERVE_CPU_BF16_LINEAR", "1").lower() not in ("0", "false", "no", "off"),
         cpu_fused_decode=environ.get("ASERVE_CPU_FUSED_DECODE", "1").lower() not in ("0", "false", "no", "off"),
         cpu_f32_linear=environ.get("ASERVE_CPU_F32_LINEAR", "1").lower() not in ("0", "false", "no", "off"),
+        cpu_decode_prefix=environ.get("ASERVE_CPU_DECODE_PREFIX", "1").lower() not in ("0", "false", "no", "off"),
         triton={"0": "off", "false": "off", "no": "off", "off": "off", "1": "on", "true": "on", "yes": "on",
                 "on": "on"}.get(environ.get("ASERVE_TRITON", "auto").lower(), "auto"),
     )

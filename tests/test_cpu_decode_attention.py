@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from aserve import LLM, SamplingParams
+from aserve.envs import read_env
 from aserve.kernels import cpu_decode_attention
+from tests.cpu_marks import needs_amx
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +177,87 @@ def test_cache_in_another_dtype_than_the_queries(attend, q_dtype, kv_dtype, dim,
         torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     finally:
         torch.set_num_threads(old)
+
+
+def _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, dtype, spread=40):
+    """A cache where every row's first ``prefix_blocks`` blocks are the same blocks, then
+    blocks of its own, with contexts ending 1 to ``spread`` tokens past the prefix."""
+    own = -(-spread // block_size) + 1
+    cache = torch.randn(2, 1 + prefix_blocks + batch * own, block_size, hk, dim, generator=gen).to(dtype)
+    table = torch.zeros(batch, prefix_blocks + own, dtype=torch.int64)
+    table[:, :prefix_blocks] = torch.randperm(prefix_blocks, generator=gen) + 1  # any order of blocks
+    table[:, prefix_blocks:] = (1 + prefix_blocks + torch.randperm(batch * own, generator=gen)).view(batch, own)
+    seq_lens = torch.tensor([prefix_blocks * block_size + 1 + (7 * b) % spread for b in range(batch)])
+    return cache, table, seq_lens
+
+
+@pytest.mark.parametrize("batch,hq,hk,dim,block_size,prefix_blocks", [
+    (32, 16, 16, 64, 16, 8),   # the 152M model's heads, 128 shared tokens
+    (20, 4, 2, 64, 16, 9),     # grouped-query attention: 40 rows a KV head, a last block of 8 rows
+    (9, 8, 1, 128, 16, 5),     # one KV head, head_dim 128, an odd number of 16-key blocks
+    (12, 4, 2, 32, 32, 3),     # blocks of 32 tokens, head_dim 32
+    (10, 4, 4, 64, 8, 12),     # blocks of 8: keys laid out one by one
+    (16, 4, 4, 64, 8, 5),      # 40 tokens, not whole 16-key blocks: the vector path takes it all
+    (3, 4, 2, 64, 16, 8),      # 6 rows a KV head: too few to pay for the prefix's products
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shared_prefix_matches_sdpa(attend, batch, hq, hk, dim, block_size, prefix_blocks, threads, set_threads):
+    """Rows whose first blocks are the same (``prefix_blocks``): the result is still each
+    row's attention over its whole context, new keys and values written first, on every
+    CPU (with AMX the prefix is attended for all rows at once, elsewhere row by row)."""
+    set_threads(threads)
+    gen = torch.Generator().manual_seed(batch + prefix_blocks)
+    cache, table, seq_lens = _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, torch.bfloat16)
+    q = (torch.randn(batch, hq + 2 * hk, dim, generator=gen) * 2).to(torch.bfloat16)
+    new_k, new_v = q[:, hq : hq + hk], q[:, hq + hk :]
+    expected_cache = cache.clone()
+    for b in range(batch):
+        pos = int(seq_lens[b]) - 1
+        expected_cache[0, table[b, pos // block_size], pos % block_size] = new_k[b]
+        expected_cache[1, table[b, pos // block_size], pos % block_size] = new_v[b]
+    out = attend(q[:, :hq], cache[0], cache[1], table, seq_lens, dim**-0.5, new_k, new_v, prefix_blocks=prefix_blocks)
+    assert torch.equal(cache, expected_cache)
+    expected = reference(q[:, :hq], cache[0], cache[1], table, seq_lens, dim**-0.5)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@needs_amx
+def test_shared_prefix_attended_on_amx_tiles(attend):
+    """On an AMX CPU the prefix's part comes from the tile products, whose softmax weights
+    are rounded to bf16: the output differs from the row-by-row path's in its last bits,
+    and is as close to SDPA's."""
+    gen = torch.Generator().manual_seed(3)
+    cache, table, seq_lens = _shared_prefix_case(gen, 16, 4, 64, 16, 16, torch.bfloat16)
+    q = torch.randn(16, 8, 64, generator=gen).to(torch.bfloat16)
+    expected = reference(q, cache[0], cache[1], table, seq_lens, 0.125)
+    by_rows = attend(q, cache[0], cache[1], table, seq_lens, 0.125)
+    on_tiles = attend(q, cache[0], cache[1], table, seq_lens, 0.125, prefix_blocks=16)
+    assert not torch.equal(on_tiles, by_rows)
+    for out in (by_rows, on_tiles):
+        torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_shared_prefix_blocks():
+    table = np.array([[4, 7, 9, 1, 0], [4, 7, 9, 2, 3], [4, 7, 9, 5, 6]])
+    lens = np.array([60, 80, 70])
+    assert cpu_decode_attention.shared_prefix_blocks(table, lens, 16) == 3
+    # A row whose newest token is in the third block: only the first two lie before it.
+    assert cpu_decode_attention.shared_prefix_blocks(table, np.array([60, 80, 33]), 16) == 2
+    assert cpu_decode_attention.shared_prefix_blocks(table, np.array([60, 80, 32]), 16) == 1
+    assert cpu_decode_attention.shared_prefix_blocks(table[:1], lens[:1], 16) == 0  # one row
+    table[2, 0] = 8
+    assert cpu_decode_attention.shared_prefix_blocks(table, lens, 16) == 0
+    same = np.array([[1, 2], [1, 2]])
+    assert cpu_decode_attention.shared_prefix_blocks(same, np.array([33, 40]), 16) == 2
+
+
+def test_prefix_supported_only_for_bf16_on_amx(monkeypatch):
+    amx = frozenset({"avx512f", "amx_tile", "amx_bf16"})
+    bf16, f32 = torch.bfloat16, torch.float32
+    env = read_env({})
+    assert cpu_decode_attention.prefix_supported(bf16, bf16, amx, env)
+    assert not cpu_decode_attention.prefix_supported(bf16, f32, amx, env)  # a bf16 cache under float32
+    assert not cpu_decode_attention.prefix_supported(f32, f32, amx, env)
+    assert not cpu_decode_attention.prefix_supported(bf16, bf16, frozenset({"avx512f", "avx512_bf16"}), env)
+    for var in ("ASERVE_CPU_DECODE_PREFIX", "ASERVE_CPU_AMX"):
+        assert not cpu_decode_attention.prefix_supported(bf16, bf16, amx, read_env({var: "0"}))

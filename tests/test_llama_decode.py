@@ -203,3 +203,48 @@ def test_tensor_parallel_2_same_tokens_and_logprobs(dtype, arch, model_dirs, mon
         plain = _generate(llm)
     assert "decode steps run the decoder layers from C" not in capfd.readouterr().err
     assert plain == fused
+
+
+@needs_amx
+def test_rows_sharing_a_prefix_attend_over_it_together(llama_dir, monkeypatch):
+    """Ten requests that open with the same 96 tokens, after one that put them in the
+    prefix cache: their decode steps hand the shared blocks to the attention kernel
+    (which, on AMX, attends over them for all rows at once), the one-call step and the
+    layer-by-layer path agree bit for bit, and the tokens are the row-by-row attention's
+    (``ASERVE_CPU_DECODE_PREFIX=0``)."""
+    prefix = list(range(3, 99))
+    prompts = [prefix + [100 + i, 7 * i % 50 + 1] for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def run(env: dict[str, str]) -> tuple[list, list[int]]:
+        for var in ("ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_DECODE_PREFIX"):
+            monkeypatch.setenv(var, env.get(var, "1"))
+        llm = LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)
+        runner = llm.engine.executor.worker.runner
+        seen: list[int] = []
+        stack = runner.model.model.decode_stack
+        if stack is not None:
+            run_stack = stack.run
+            monkeypatch.setattr(stack, "run", lambda *a: seen.append(a[6]) or run_stack(*a))
+        else:
+            kernel = runner.decode_kernel
+            runner.decode_kernel = lambda *a, prefix_blocks=0: seen.append(prefix_blocks) or kernel(*a, prefix_blocks=prefix_blocks)
+        llm.generate([prefix + [1]], SamplingParams(temperature=0, max_tokens=1))
+        outs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs], seen
+
+    fused, seen = run({})
+    assert max(seen) == 96 // 16  # the cached prefix's six blocks, every row's
+    layers, seen = run({"ASERVE_CPU_FUSED_DECODE": "0"})
+    assert layers == fused and max(seen) == 6
+    by_rows, seen = run({"ASERVE_CPU_DECODE_PREFIX": "0"})
+    assert set(seen) == {0}
+    for (tokens, got), (want_tokens, want) in zip(fused, by_rows):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), len(tokens))
+        for i in range(min(same + 1, len(tokens))):  # up to the first token that differs, that one included
+            common = got[i].keys() & want[i].keys()
+            assert len(common) >= 2
+            assert {t: got[i][t] for t in common} == pytest.approx({t: want[i][t] for t in common}, abs=0.05)
+        if same < len(tokens):  # a near tie: each run's choice is among the other's top three, within 0.05
+            assert want_tokens[same] in got[same] and got[same][want_tokens[same]] > got[same][tokens[same]] - 0.05

@@ -74,6 +74,10 @@ class AttentionMetadata:
     # these lengths ([num_decode] int64, the new token included).
     decode_kernel: DecodeAttention | None = None
     decode_seq_lens: torch.Tensor | None = None
+    # Leading columns of ``decode_block_table`` every decode row shares, each row's
+    # context past them: the kernel attends over them for all rows at once (AMX). 0
+    # where the runner does not look (aserve.kernels.cpu_decode_attention.prefix_supported).
+    decode_prefix_blocks: int = 0
     # The C kernel (aserve.kernels.cpu_prefill_attention), when the runner has it: every
     # prefill chunk of the step in one call, a chunk after cached context reading its
     # keys and values from the paged cache.
@@ -235,7 +239,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_k
     if meta.decode_kernel is not None:
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
         return meta.decode_kernel(q, kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale,
-                                  k, v)
+                                  k, v, prefix_blocks=meta.decode_prefix_blocks)
     if meta.decode_rows is not None:
         assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None
         staged_k, staged_v = layer_kv.staged_keys, layer_kv.staged_values

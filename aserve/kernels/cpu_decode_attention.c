@@ -23,6 +23,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -51,7 +52,18 @@ typedef struct {
     int q_bf16;  /* q, k_new, v_new and out are bf16 (else float32) */
     int kv_bf16; /* the cache is bf16 (else float32) */
     int num_threads;
+    /* The first prefix_blocks blocks of the block table are the same for every row (a
+       shared prefix). Where the prefix phase (cpu_decode_prefix.h) has covered their
+       `prefix` tokens, pm, pl and pacc hold each (row, query head)'s softmax state over
+       them, at b * Hq + h, and the tasks start from it at token `prefix`; else prefix
+       is 0. */
+    int64_t prefix_blocks, prefix;
+    const float *pm, *pl, *pacc;
 } Args;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "cpu_decode_prefix.h"
+#endif
 
 /* A task: sequence b, KV heads [hk0, hk1). */
 typedef struct {
@@ -92,6 +104,31 @@ static inline void store_out(const Args *a, int64_t b, int64_t h, int64_t i, flo
     else ((float *)a->out)[at] = val;
 }
 
+/* A task's softmax state for row b, query head h: after the prefix phase its result (acc
+ * put in slot order: vf_slot_element, or element order for the portable task, slotted
+ * = 0), else empty. */
+static inline void start_state(const Args *a, int64_t b, int64_t h, float *acc, float *m, float *l, int64_t D,
+                               int slotted) {
+    if (a->prefix == 0) {
+        memset(acc, 0, sizeof(float) * D);
+        *m = -FLT_MAX;
+        *l = 0.f;
+        return;
+    }
+    const int64_t at = b * a->Hq + h;
+    const float *src = a->pacc + at * D;
+#if defined(ASERVE_SIMD)
+    if (slotted) {
+        for (int64_t sl = 0; sl < D / VL; sl++)
+            for (int64_t lane = 0; lane < VL; lane++) acc[VL * sl + lane] = src[vf_slot_element(sl, lane, a->kv_bf16)];
+    } else
+#endif
+        memcpy(acc, src, sizeof(float) * D);
+    (void)slotted;
+    *m = a->pm[at];
+    *l = a->pl[at];
+}
+
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float s = 0.f;
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
@@ -125,11 +162,9 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
     if (a->k_new != NULL && L > 0) write_new_kv(a, b, hk0, hk1, L, D);
     for (int64_t j = 0; j < NH; j++) {
         for (int64_t i = 0; i < D; i++) q[j][i] = load_q(a, b, hk0 * G + j, i) * a->scale;
-        memset(acc[j], 0, sizeof(float) * D);
-        m[j] = -FLT_MAX;
-        l[j] = 0.f;
+        start_state(a, b, hk0 * G + j, acc[j], &m[j], &l[j], D, 0);
     }
-    for (int64_t start = 0, blk = 0; start < L; start += bs, blk++) {
+    for (int64_t start = a->prefix, blk = a->prefix / bs; start < L; start += bs, blk++) {
         const int64_t n = L - start < bs ? L - start : bs;
         const int64_t base = a->block_table[b * a->max_blocks + blk] * a->kv_stride_block;
         for (int64_t t = 0; t < n; t++) {
@@ -341,12 +376,10 @@ static inline __attribute__((always_inline)) void one_task_simd(const Args *a, i
         for (int64_t sl = 0; sl < nv; sl++)
             for (int64_t lane = 0; lane < VL; lane++)
                 q[j][VL * sl + lane] = load_q(a, b, hk0 * G + j, vf_slot_element(sl, lane, kv_bf16));
-        memset(acc[j], 0, sizeof(float) * D);
-        m[j] = -FLT_MAX;
-        l[j] = 0.f;
+        start_state(a, b, hk0 * G + j, acc[j], &m[j], &l[j], D, 1);
     }
     const char *kbase = (const char *)a->k, *vbase = (const char *)a->v;
-    for (int64_t c0 = 0; c0 < L; c0 += CHUNK) {
+    for (int64_t c0 = a->prefix; c0 < L; c0 += CHUNK) {
         /* n rounded up to whole vectors: where the lookahead past the chunk's keys
            reaches its values (and past its values the next keys). */
         const int64_t n = L - c0 < CHUNK ? L - c0 : CHUNK, n_up = (n + VL - 1) & ~(int64_t)(VL - 1);
@@ -420,8 +453,9 @@ static inline __attribute__((always_inline)) void one_task_simd(const Args *a, i
                     const char *p = NULL;
                     if (t < n) p = vbase + row[t] + head_off;
                     else if (t - n_up >= 0 && n + t - n_up < n_ahead) p = kbase + row[n + t - n_up] + head_off;
-                    else if (next != NULL && last_chunk && t - n_up >= 0 && t - n_up < next_L && next->hk0 + hk < next->hk1) {
-                        const int64_t u = t - n_up;
+                    else if (next != NULL && last_chunk && t - n_up >= 0 && a->prefix + t - n_up < next_L
+                             && next->hk0 + hk < next->hk1) {
+                        const int64_t u = a->prefix + t - n_up;
                         p = kbase + (next_table[u / bs] * a->kv_stride_block + (u % bs) * a->kv_stride_token
                                      + (next->hk0 + hk) * a->kv_stride_head) * elt;
                     }
@@ -523,16 +557,30 @@ int aserve_decode_attention(const void *q, void *k, void *v, const void *k_new, 
                             int64_t v_new_stride_b, int64_t v_new_stride_h, void *out,
                             const int64_t *block_table, const int64_t *seq_lens,
                             int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, int64_t max_blocks,
+                            int64_t prefix_blocks,
                             int64_t q_stride_b, int64_t q_stride_h, int64_t out_stride_b, int64_t out_stride_h,
                             int64_t kv_stride_block, int64_t kv_stride_token, int64_t kv_stride_head,
                             float scale, int q_bf16, int kv_bf16, int num_threads) {
     if (Hq / Hk > MAX_HEADS || D > MAX_DIM || block_size > MAX_BLOCK || Hq % Hk) return -1;
     if (num_threads > B * Hk) num_threads = (int)(B * Hk);
     if (num_threads < 1) num_threads = 1;
-    const Args args = {q, k, v, k_new, v_new, k_new_stride_b, k_new_stride_h, v_new_stride_b, v_new_stride_h,
-                       out, block_table, seq_lens, B, Hq, Hk, D, block_size, max_blocks,
-                       q_stride_b, q_stride_h, out_stride_b, out_stride_h,
-                       kv_stride_block, kv_stride_token, kv_stride_head, scale, q_bf16, kv_bf16, num_threads};
+    Args args = {q, k, v, k_new, v_new, k_new_stride_b, k_new_stride_h, v_new_stride_b, v_new_stride_h,
+                 out, block_table, seq_lens, B, Hq, Hk, D, block_size, max_blocks,
+                 q_stride_b, q_stride_h, out_stride_b, out_stride_h,
+                 kv_stride_block, kv_stride_token, kv_stride_head, scale, q_bf16, kv_bf16, num_threads,
+                 prefix_blocks, 0, NULL, NULL, NULL};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    float *state = NULL;
+    if (prefix_blocks > 0 && (state = malloc(sizeof(float) * (size_t)(B * Hq * (D + 2)))) != NULL) {
+        args.prefix = prefix_phase(&args, state, state + B * Hq, state + 2 * B * Hq);
+        args.pm = state;
+        args.pl = state + B * Hq;
+        args.pacc = state + 2 * B * Hq;
+    }
     run_tasks(&args);
+    free(state);
+#else
+    run_tasks(&args);
+#endif
     return 0;
 }

@@ -17,17 +17,42 @@ import ctypes
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from aserve.envs import read_env
-from aserve.kernels.cbuild import build_ahead, load_library
+from aserve.envs import Env, read_env
+from aserve.kernels.cbuild import build_ahead, cpu_flags, load_library
 
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 _LIMITS = {"group": 64, "head_dim": 512, "block_size": 128}
 _DTYPES = (torch.float32, torch.bfloat16)
 
-#: ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None, new_values=None)``
+#: ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None, new_values=None, prefix_blocks=0)``
 DecodeAttention = Callable[..., torch.Tensor]
+
+
+def prefix_supported(cache_dtype: torch.dtype, model_dtype: torch.dtype, flags: frozenset[str] | None = None,
+                     env: Env | None = None) -> bool:
+    """Whether :func:`load`'s kernel computes a shared prefix for all rows at once here:
+    a bf16 cache under a bf16 model, on a CPU with AMX, not switched off
+    (``ASERVE_CPU_DECODE_PREFIX=0``, ``ASERVE_CPU_AMX=0``). Elsewhere ``prefix_blocks``
+    changes nothing, and the runner need not find it."""
+    env = read_env() if env is None else env
+    flags = cpu_flags() if flags is None else flags
+    return (env.cpu_decode_prefix and env.cpu_amx and cache_dtype == model_dtype == torch.bfloat16
+            and flags is not None and {"amx_tile", "amx_bf16"} <= flags)
+
+
+def shared_prefix_blocks(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """How many leading columns of ``block_table`` ([B, max_blocks]) hold the same block
+    in every row and lie wholly before each row's newest token (position ``seq_len - 1``,
+    which this step writes): the shared prefix decode attention may compute once for
+    all rows. 0 for fewer than two rows."""
+    if block_table.shape[0] < 2:
+        return 0
+    limit = min(int(seq_lens.min()) - 1, block_table.shape[1] * block_size) // block_size
+    same = (block_table[:, :limit] == block_table[0, :limit]).all(axis=0)
+    return int(limit if same.all() else same.argmin())
 
 
 def build() -> None:
@@ -40,8 +65,8 @@ def build() -> None:
 
 def load() -> DecodeAttention | None:
     """The kernel as ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None,
-    new_values=None) -> out``, or None where it is unavailable or switched off
-    (``ASERVE_CPU_ATTENTION=sdpa``).
+    new_values=None, prefix_blocks=0) -> out``, or None where it is unavailable or switched
+    off (``ASERVE_CPU_ATTENTION=sdpa``).
 
     ``q``: [B, Hq, D] (rows and heads may be strided, the last dim contiguous);
     ``keys`` / ``values``: one layer's paged cache halves, [num_blocks, block_size, Hk, D];
@@ -51,7 +76,11 @@ def load() -> DecodeAttention | None:
     position ``seq_len - 1`` first, rounded to the cache's dtype. Returns [B, Hq, D] in
     q's dtype. q (with the new keys and values) and the cache are each float32 or
     bfloat16, not necessarily the same: a bf16 cache under a float32 model is
-    ``--kv-cache-dtype bfloat16``.
+    ``--kv-cache-dtype bfloat16``. ``prefix_blocks``: the leading columns of
+    ``block_table`` that every row shares, each row's context reaching past them
+    (:func:`shared_prefix_blocks`); on a CPU with AMX, with bf16 queries and cache, the
+    kernel attends over them for all rows at once as matrix products
+    (``cpu_decode_prefix.h``), where it pays; elsewhere it changes nothing.
     """
     env = read_env()
     if env.cpu_attention == "sdpa":
@@ -62,12 +91,12 @@ def load() -> DecodeAttention | None:
     fn = lib.aserve_decode_attention
     i64 = ctypes.c_int64
     ptr = ctypes.c_void_p
-    fn.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i64] * 13 + [ctypes.c_float] + [ctypes.c_int] * 3
+    fn.argtypes = [ptr] * 5 + [i64] * 4 + [ptr] * 3 + [i64] * 14 + [ctypes.c_float] + [ctypes.c_int] * 3
     fn.restype = ctypes.c_int
 
     def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, new_keys: torch.Tensor | None = None,
-               new_values: torch.Tensor | None = None) -> torch.Tensor:
+               new_values: torch.Tensor | None = None, prefix_blocks: int = 0) -> torch.Tensor:
         if q.dtype not in _DTYPES or keys.dtype not in _DTYPES or values.dtype != keys.dtype:
             raise TypeError(f"decode attention takes float32 or bfloat16 queries and caches, not {q.dtype} / "
                             f"{keys.dtype} / {values.dtype}")
@@ -93,7 +122,7 @@ def load() -> DecodeAttention | None:
         out = torch.empty(batch, hq, dim, dtype=q.dtype)
         rc = fn(q.data_ptr(), keys.data_ptr(), values.data_ptr(), new_k, new_v, *new_strides, out.data_ptr(),
                 block_table.data_ptr(), seq_lens.data_ptr(),
-                batch, hq, hk, dim, block_size, block_table.shape[1],
+                batch, hq, hk, dim, block_size, block_table.shape[1], prefix_blocks,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 keys.stride(0), keys.stride(1), keys.stride(2),
                 scale, int(q.dtype == torch.bfloat16), int(keys.dtype == torch.bfloat16), torch.get_num_threads())

@@ -26,6 +26,21 @@ static inline int amx_request_tiles(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 }
 
+#if defined(__AMX_TILE__)
+/* The attention kernels' tiles (cpu_prefill_attention.c, cpu_decode_prefix.h): 0, a
+ * float32 accumulator of `rows` x 16; 1, an A operand of `rows` x 32 bf16; 2, a B
+ * operand of 16 rows of bf16 pairs. For the calling thread (the state is per thread). */
+static inline void amx_configure_rows(int rows) {
+    amx_tile_config cfg;
+    __builtin_memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    cfg.rows[0] = cfg.rows[1] = (uint8_t)rows;
+    cfg.rows[2] = 16;
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+}
+#endif
+
 /* Items [0, n) of a kernel shared out between the threads of a parallel region so that
  * no thread waits at the region's end while another still has a long list.
  *

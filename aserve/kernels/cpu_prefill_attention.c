@@ -38,48 +38,22 @@
 /* 1 when this process may use AMX tiles (asks the kernel once; idempotent). */
 int aserve_amx_init(void) { return amx_request_tiles(); }
 
-/* Tile 0: a float32 accumulator (rows x 16); tile 1: A (rows x 32 bf16); tile 2: B. */
-static void configure_rows(int rows) {
-    amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    cfg.rows[0] = cfg.rows[1] = (uint8_t)rows;
-    cfg.rows[2] = 16;
-    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
-    _tile_loadconfig(&cfg);
-}
-
 /* Rows q0 .. q0 + rows - 1 of one query head (q: the chunk's first token, this head),
  * at positions ctx + q0 .. (each sees the keys up to its own position). */
 static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0, int rows,
                       int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv, float *s,
                       uint16_t *p, int64_t width) {
-    const int64_t DC = D / 32, DT = D / 16;
+    const int64_t DT = D / 16;
     const int64_t seen = ctx + q0 + rows;           /* keys 0 .. seen - 1 (causal) */
     const int64_t kblocks = (seen + 15) / 16, pblocks = (seen + 31) / 32;
-    configure_rows(rows);
-    /* S = Q K^T, 16 keys at a time; s is rows x width floats. */
-    for (int64_t j = 0; j < kblocks; j++) {
-        _tile_zero(0);
-        for (int64_t c = 0; c < DC; c++) {
-            _tile_loadd(1, q + q0 * q_stride + 32 * c, q_stride * 2);
-            _tile_loadd(2, kt + (j * DC + c) * 256, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, s + 16 * j, width * 4);
-    }
+    amx_configure_rows(rows);
+    amx_scores(q + q0 * q_stride, q_stride, kt, D, kblocks, s, width); /* S = Q K^T; s is rows x width floats */
     float inv_sum[16];
     softmax_rows(s, p, rows, width, ctx, q0, pblocks, scale, inv_sum);
     /* O = P V, 16 columns of D at a time, then scaled and rounded into out. */
     float o[16 * 16] __attribute__((aligned(64)));
     for (int64_t t = 0; t < DT; t++) {
-        _tile_zero(0);
-        for (int64_t b = 0; b < pblocks; b++) {
-            _tile_loadd(1, p + 32 * b, width * 2);
-            _tile_loadd(2, vv + (b * DT + t) * 256, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, o, 64);
+        amx_values(p, width, vv, D, t, pblocks, o);
         for (int i = 0; i < rows; i++) {
             const __m512 r = _mm512_mul_ps(_mm512_load_ps(o + 16 * i), _mm512_set1_ps(inv_sum[i]));
             _mm256_storeu_si256((__m256i *)(out + (q0 + i) * out_stride + 16 * t), to_bf16x16(r));

@@ -53,6 +53,41 @@ static void layout_values(const KeyRows *v, int64_t len, int64_t D, uint32_t *vv
         }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The two products of a block of `rows` query rows on AMX tiles (amx_configure_rows(rows)
+ * first), for cpu_prefill_attention.c and cpu_decode_prefix.h:
+ *   amx_scores:  s[rows x 16 kblocks] (rows `width` floats apart) = Q K^T over the first
+ *                16 * kblocks keys of kt (layout_keys), q's rows `q_stride` elements apart;
+ *   amx_values:  o[rows x 16] (float32, 16 apart) = P V for columns 16t .. 16t + 15 of D,
+ *                over the first 32 * pblocks weights of each row of p (bf16, `width`
+ *                apart) and vv (layout_values). */
+static inline void amx_scores(const uint16_t *q, int64_t q_stride, const uint32_t *kt, int64_t D, int64_t kblocks,
+                              float *s, int64_t width) {
+    const int64_t DC = D / 32;
+    for (int64_t j = 0; j < kblocks; j++) {
+        _tile_zero(0);
+        for (int64_t c = 0; c < DC; c++) {
+            _tile_loadd(1, q + 32 * c, q_stride * 2);
+            _tile_loadd(2, kt + (j * DC + c) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, s + 16 * j, width * 4);
+    }
+}
+
+static inline void amx_values(const uint16_t *p, int64_t width, const uint32_t *vv, int64_t D, int64_t t,
+                              int64_t pblocks, float *o) {
+    const int64_t DT = D / 16;
+    _tile_zero(0);
+    for (int64_t b = 0; b < pblocks; b++) {
+        _tile_loadd(1, p + 32 * b, width * 2);
+        _tile_loadd(2, vv + (b * DT + t) * 256, 64);
+        _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, o, 64);
+}
+#endif
+
 /* exp for the softmax weights, which are rounded to bf16 (8 bits of mantissa) before
  * the second product and summed in float32: one-step range reduction and a degree-5
  * polynomial (relative error about 1e-5 over the range the scores take), three

@@ -61,7 +61,8 @@ class _Step(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("x_in", "x", "residual", "h", "qkv", "attn", "o", "gate_up", "act", "cos", "sin",
                  "block_table", "seq_lens")] + [
-        ("B", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("num_threads", ctypes.c_int)]
+        ("B", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("prefix_blocks", ctypes.c_int64),
+        ("num_threads", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -144,13 +145,16 @@ class DecodeStack:
         self._c_layers, self._kv_key = arr, key
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-            block_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            block_table: torch.Tensor, seq_lens: torch.Tensor, prefix_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer for ``x`` ([B, hidden] embeddings in the stack's dtype, one decode
         token per row):
         ``(last layer's output, residual)``, views of scratch memory that the next call
         overwrites. ``cos`` / ``sin``: [B, head_dim / 2] contiguous; ``block_table``:
         int64 [B, max_blocks] contiguous; ``seq_lens``: int64 [B], the new token
-        included. Writes this step's keys and values into ``kv_caches``."""
+        included; ``prefix_blocks``: leading columns of ``block_table`` that are the same
+        in every row, each row's context reaching past them (decode attention's shared
+        prefix, :func:`aserve.kernels.cpu_decode_attention.shared_prefix_blocks`).
+        Writes this step's keys and values into ``kv_caches``."""
         self._bind_kv(kv_caches)
         d = self.dims
         rows = x.shape[0]
@@ -165,7 +169,7 @@ class DecodeStack:
             offsets.append(base + elem * at)
             at += span
         step = _Step(x.data_ptr(), *offsets, cos.data_ptr(), sin.data_ptr(), block_table.data_ptr(),
-                     seq_lens.data_ptr(), rows, block_table.shape[1], torch.get_num_threads())
+                     seq_lens.data_ptr(), rows, block_table.shape[1], prefix_blocks, torch.get_num_threads())
         dims_ref, step_ref = ctypes.byref(self._c_dims), ctypes.byref(step)
         if self._all_reduce is None:
             rc = self._fn(self._c_layers, len(self._layers), dims_ref, step_ref)

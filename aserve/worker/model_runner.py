@@ -27,6 +27,7 @@ import torch
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, gather_numel
 from aserve.kernels.cpu_decode_attention import DecodeAttention
 from aserve.kernels.cpu_decode_attention import load as load_decode_kernel
+from aserve.kernels.cpu_decode_attention import prefix_supported, shared_prefix_blocks
 from aserve.kernels.cpu_prefill_attention import PrefillAttention
 from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.kernels.token_mask import TokenMaskKernel
@@ -104,6 +105,9 @@ class ModelRunner:
         # over the paged cache where it builds (float32 and bfloat16), else SDPA over
         # dense staged copies (use_decode_staging) or over gathered blocks.
         self.decode_kernel: DecodeAttention | None = None
+        # Whether that kernel attends over a prefix all decode rows share for all of them
+        # at once (AMX, bf16): then each step finds that prefix's blocks.
+        self.decode_prefix = False
         # Prefill chunks: the C kernel of the model's dtype (bf16: AMX or AVX512-BF16;
         # float32: AVX-512F or AVX2 + FMA) when the cache has that dtype too, else SDPA.
         self.prefill_kernel: PrefillAttention | None = None
@@ -145,6 +149,7 @@ class ModelRunner:
             return  # the Triton kernels read the pool themselves
         if dtype in kernel_dtypes and model_dtype in kernel_dtypes:  # the pool is host memory: the CPU kernel applies
             self.decode_kernel = load_decode_kernel()
+            self.decode_prefix = self.decode_kernel is not None and prefix_supported(dtype, model_dtype)
         if dtype == model_dtype and dtype in kernel_dtypes:  # each kernel reads a cache of its own dtype
             self.prefill_kernel = load_prefill_kernel(dtype)
         if self.use_decode_staging and self.decode_kernel is None:
@@ -268,10 +273,14 @@ class ModelRunner:
         slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
 
         decode_table = decode_mask = decode_rows = decode_write_index = seq_lens = None
+        prefix_blocks = 0  # leading blocks every decode row shares (the C kernel's shared prefix)
         length = 0  # keys each decode row's SDPA reads (not used by the kernel)
         gathered = 0  # blocks the decode rows gather per layer
         if num_decode:
-            seq_lens = _long_tensor([scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)])
+            lens = np.fromiter((scheduled[r][0].num_computed_tokens + 1 for r in range(num_decode)), np.int64, num_decode)
+            seq_lens = torch.from_numpy(lens)
+            if self.decode_prefix and num_decode > 1:
+                prefix_blocks = shared_prefix_blocks(table[:num_decode], lens, bs)
             if self.decode_kernel is not None or self.triton_attention:  # read the paged cache in place
                 decode_table = block_table[:num_decode]
             elif staged_rows is not None:
@@ -315,6 +324,7 @@ class ModelRunner:
             decode_rows=decode_rows, decode_write_index=decode_write_index,
             decode_rows_packed=staged_rows is not None and staged_rows == list(range(num_decode)),
             decode_len=length, decode_kernel=self.decode_kernel, decode_seq_lens=seq_lens,
+            decode_prefix_blocks=prefix_blocks,
             prefill_kernel=self.prefill_kernel, triton=self.triton_attention, layer_done=self.layer_done,
         )
 

@@ -355,7 +355,8 @@ class LlamaModel(nn.Module):
                 # The runner gives the C attention kernel its table and lengths.
                 assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
                 x, residual = self.decode_stack.run(x, rope[0], rope[1], [kv.paged for kv in kv_caches],
-                                                    meta.decode_block_table, meta.decode_seq_lens)
+                                                    meta.decode_block_table, meta.decode_seq_lens,
+                                                    meta.decode_prefix_blocks)
                 return self.norm(x, residual)[0]
         else:
             assert intermediate is not None

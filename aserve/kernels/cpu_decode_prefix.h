@@ -1,0 +1,146 @@
+/* Decode attention's shared prefix on AMX tiles ("cascade attention"), for
+ * cpu_decode_attention.c on CPUs with AMX.
+ *
+ * Why: when every decode row of a step shares its first blocks (the prefix cache handed
+ * the same system prompt or few-shot preamble to each request), each row still attends
+ * over those tokens one query at a time, in vector FMAs: 32 rows of the 152M model over
+ * 1,024 shared tokens spend about half of a 60 ms step there, bound by the arithmetic,
+ * not by memory (docs/performance.md, "Decode rows that share a prefix"). Stacked, the
+ * rows' queries for one KV head form a matrix, and the prefix's part of their attention
+ * becomes two matrix products over keys and values read once, which AMX tiles compute
+ * at more than ten times the vector rate.
+ *
+ * For each KV head (one task each, split between OpenMP threads):
+ *   - the prefix's keys laid out as K^T in AMX's B layout, its values as pairs of keys
+ *     (cpu_prefill_common.h's layouts), read from the paged cache;
+ *   - for each block of up to 16 query rows (row r = sequence r / G, query head
+ *     hk * G + r % G, with G query heads per KV head):
+ *       S = Q K^T over the T prefix tokens, in float32;
+ *       m = max(S) * scale, P = exp(S * scale - m) (cpu_prefill_common.h's exp_weights),
+ *           l = the sum of P, P rounded to bf16 for the second product, as the prefill
+ *           kernel rounds it;
+ *       acc = P V, in float32, not divided by l.
+ * The row's (m, l, acc) is where the decode task for that row then starts its online
+ * softmax, over the tokens after the prefix only: the result is the whole context's
+ * attention, with the prefix's weights rounded to bf16 (relative error about 2^-9 each)
+ * where the vector path keeps them in float32.
+ *
+ * Needs: q and the cache in bf16, D a multiple of 32 and at most MAX_D, every row's
+ * context longer than the prefix (the caller's check).
+ */
+#ifndef ASERVE_CPU_DECODE_PREFIX_H
+#define ASERVE_CPU_DECODE_PREFIX_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_prefill_common.h"
+
+/* The shape a prefix phase pays for: its K and V layouts cost about what two rows'
+ * vector attention over the prefix costs, so with few rows or few tokens the vector
+ * path alone is as fast. */
+#define PREFIX_MIN_ROWS 8    /* query rows per KV head: sequences x query heads per KV head */
+#define PREFIX_MIN_TOKENS 64
+
+/* K^T blocks as layout_keys (cpu_prefill_common.h) lays them out, by gathers: with
+ * block_size a multiple of 16, the 16 keys of a block of K^T lie in one cache block,
+ * kv_stride_token apart, so row r of a tile (dimension pair 32c + 2r of 16 keys) is one
+ * 16-lane gather. T is a multiple of 16 here. */
+static void prefix_layout_keys(const KeyRows *k, int64_t T, int64_t D, uint32_t *kt) {
+    const int64_t DC = D / 32;
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32((int)(k->stride_token * 2)));
+    for (int64_t j = 0; j < T / 16; j++) {
+        const char *first = (const char *)key_row(k, 16 * j);
+        for (int64_t c = 0; c < DC; c++)
+            for (int r = 0; r < 16; r++)
+                _mm512_storeu_si512((void *)(kt + (j * DC + c) * 256 + r * 16),
+                                    _mm512_i32gather_epi32(lanes, first + 64 * c + 4 * r, 1));
+    }
+}
+
+/* One task: KV head hk, all R = B * G query rows; pm, pl, pacc as prefix_phase says.
+ * Returns 0, or -1 when scratch memory cannot be had. */
+static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *pl, float *pacc) {
+    const int64_t D = a->D, G = a->Hq / a->Hk, R = a->B * G, DT = D / 16;
+    const int64_t width = (T + 31) / 32 * 32, kblocks = T / 16, pblocks = width / 32;
+    /* kt, vv: width x D bf16 each; s: 16 x width floats; p: 16 x width bf16; qb: 16 x D bf16. */
+    char *scratch = aligned_alloc(64, (size_t)(width * D * 4 + 16 * width * 6 + 16 * D * 2));
+    if (!scratch) return -1;
+    uint32_t *kt = (uint32_t *)scratch, *vv = (uint32_t *)(scratch + width * D * 2);
+    float *s = (float *)(scratch + width * D * 4);
+    uint16_t *p = (uint16_t *)(scratch + width * D * 4 + 16 * width * 4);
+    uint16_t *qb = (uint16_t *)(scratch + width * D * 4 + 16 * width * 6);
+    const KeyRows ks = {(const uint16_t *)a->k + hk * a->kv_stride_head, 2, 0, a->block_table, a->block_size,
+                        a->kv_stride_block, a->kv_stride_token};
+    const KeyRows vs = {(const uint16_t *)a->v + hk * a->kv_stride_head, 2, 0, a->block_table, a->block_size,
+                        a->kv_stride_block, a->kv_stride_token};
+    if (a->block_size % 16 == 0) prefix_layout_keys(&ks, T, D, kt);
+    else layout_keys(&ks, T, D, kt);
+    layout_values(&vs, T, D, vv);
+    const float scale = a->scale;
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+        const int rows = (int)(R - r0 < 16 ? R - r0 : 16);
+        for (int i = 0; i < rows; i++) {
+            const int64_t b = (r0 + i) / G, hq = hk * G + (r0 + i) % G;
+            memcpy(qb + i * D, (const uint16_t *)a->q + b * a->q_stride_b + hq * a->q_stride_h, (size_t)D * 2);
+        }
+        amx_configure_rows(rows);
+        amx_scores(qb, D, kt, D, kblocks, s, width); /* S = Q K^T */
+        for (int i = 0; i < rows; i++) { /* softmax numerators, the max and the sum kept */
+            const float *row = s + i * width;
+            uint16_t *prow = p + i * width;
+            __m512 mx = _mm512_set1_ps(-3.0e38f);
+            for (int64_t t = 0; t < T; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+            const float m = _mm512_reduce_max_ps(mx) * scale;
+            const __m512 ms = _mm512_set1_ps(m), sc = _mm512_set1_ps(scale);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < T; t += 16) {
+                const __m512 e = exp_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms));
+                sum = _mm512_add_ps(sum, e);
+                _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
+            }
+            if (width > T) _mm256_storeu_si256((__m256i *)(prow + T), _mm256_setzero_si256());
+            const int64_t at = (r0 + i) / G * a->Hq + hk * G + (r0 + i) % G;
+            pm[at] = m;
+            pl[at] = _mm512_reduce_add_ps(sum);
+        }
+        float o[16 * 16] __attribute__((aligned(64)));
+        for (int64_t t = 0; t < DT; t++) { /* acc = P V, 16 columns of D at a time */
+            amx_values(p, width, vv, D, t, pblocks, o);
+            for (int i = 0; i < rows; i++) {
+                const int64_t at = (r0 + i) / G * a->Hq + hk * G + (r0 + i) % G;
+                memcpy(pacc + at * D + 16 * t, o + 16 * i, 64);
+            }
+        }
+    }
+    _tile_release();
+    free(scratch);
+    return 0;
+}
+
+/* Runs the prefix phase when it applies, over the first prefix_blocks blocks of the
+ * block table (the same for every row): fills pm, pl ([B * Hq]) and pacc ([B * Hq, D],
+ * element order) for row b, query head h at b * Hq + h, and returns the tokens it
+ * covered (T), or 0 when it does not apply: no AMX, a dtype or shape it does not take,
+ * a prefix or a batch too small to pay for it, or no memory. */
+static int64_t prefix_phase(const Args *a, float *pm, float *pl, float *pacc) {
+    static int tiles = -1; /* the process's AMX permission, asked once (idempotent anyway) */
+    const int64_t T = a->prefix_blocks * a->block_size, G = a->Hq / a->Hk;
+    if (T < PREFIX_MIN_TOKENS || T % 16 || a->B * G < PREFIX_MIN_ROWS || !a->q_bf16 || !a->kv_bf16 || a->D % 32
+        || a->D > MAX_D)
+        return 0;
+    for (int64_t b = 0; b < a->B; b++)
+        if (a->seq_lens[b] <= T) return 0; /* the caller's promise, checked: a row's own token lies past T */
+    if (tiles < 0) tiles = amx_request_tiles();
+    if (!tiles) return 0;
+    int failed = 0;
+    const int nt = a->num_threads > a->Hk ? (int)a->Hk : a->num_threads;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : failed)
+    for (int64_t hk = 0; hk < a->Hk; hk++) failed |= prefix_head(a, hk, T, pm, pl, pacc) != 0;
+    return failed ? 0 : T;
+}
+
+#endif

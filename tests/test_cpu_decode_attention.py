@@ -10,7 +10,11 @@ import torch.nn.functional as F
 from aserve import LLM, SamplingParams
 from aserve.envs import read_env
 from aserve.kernels import cpu_decode_attention
-from tests.cpu_marks import needs_amx
+from tests.cpu_marks import needs_amx, needs_avx512_bf16
+
+#: Compiler flags that build the kernel's AVX512-BF16 form of the shared prefix's products
+#: on a CPU that also has AMX (elsewhere they change nothing).
+NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 
 
 @pytest.fixture(scope="module")
@@ -201,10 +205,15 @@ def _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, dtype, s
     (3, 4, 2, 64, 16, 8),      # 6 rows a KV head: too few to pay for the prefix's products
 ])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_shared_prefix_matches_sdpa(attend, batch, hq, hk, dim, block_size, prefix_blocks, threads, set_threads):
+@pytest.mark.parametrize("form", ["native", pytest.param("avx512_bf16", marks=needs_avx512_bf16)])
+def test_shared_prefix_matches_sdpa(attend, form, batch, hq, hk, dim, block_size, prefix_blocks, threads,
+                                    set_threads):
     """Rows whose first blocks are the same (``prefix_blocks``): the result is still each
     row's attention over its whole context, new keys and values written first, on every
-    CPU (with AMX the prefix is attended for all rows at once, elsewhere row by row)."""
+    CPU (with AMX or AVX512-BF16 the prefix is attended for all rows at once as matrix
+    products, elsewhere row by row). ``avx512_bf16``: that form built without AMX."""
+    if form == "avx512_bf16":
+        attend = cpu_decode_attention.load(NO_AMX)
     set_threads(threads)
     gen = torch.Generator().manual_seed(batch + prefix_blocks)
     cache, table, seq_lens = _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, torch.bfloat16)
@@ -221,11 +230,13 @@ def test_shared_prefix_matches_sdpa(attend, batch, hq, hk, dim, block_size, pref
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
-@needs_amx
-def test_shared_prefix_attended_on_amx_tiles(attend):
-    """On an AMX CPU the prefix's part comes from the tile products, whose softmax weights
-    are rounded to bf16: the output differs from the row-by-row path's in its last bits,
-    and is as close to SDPA's."""
+@pytest.mark.parametrize("form", [pytest.param("amx", marks=needs_amx),
+                                  pytest.param("avx512_bf16", marks=needs_avx512_bf16)])
+def test_shared_prefix_attended_as_matrix_products(form):
+    """With AMX, or AVX512-BF16 without it, the prefix's part comes from matrix products
+    whose softmax weights are rounded to bf16: the output differs from the row-by-row
+    path's in its last bits, and is as close to SDPA's."""
+    attend = cpu_decode_attention.load(() if form == "amx" else NO_AMX)
     gen = torch.Generator().manual_seed(3)
     cache, table, seq_lens = _shared_prefix_case(gen, 16, 4, 64, 16, 16, torch.bfloat16)
     q = torch.randn(16, 8, 64, generator=gen).to(torch.bfloat16)
@@ -251,13 +262,17 @@ def test_shared_prefix_blocks():
     assert cpu_decode_attention.shared_prefix_blocks(same, np.array([33, 40]), 16) == 2
 
 
-def test_prefix_supported_only_for_bf16_on_amx(monkeypatch):
+def test_prefix_supported_for_bf16_on_amx_or_avx512_bf16():
     amx = frozenset({"avx512f", "amx_tile", "amx_bf16"})
     bf16, f32 = torch.bfloat16, torch.float32
     env = read_env({})
     assert cpu_decode_attention.prefix_supported(bf16, bf16, amx, env)
     assert not cpu_decode_attention.prefix_supported(bf16, f32, amx, env)  # a bf16 cache under float32
     assert not cpu_decode_attention.prefix_supported(f32, f32, amx, env)
-    assert not cpu_decode_attention.prefix_supported(bf16, bf16, frozenset({"avx512f", "avx512_bf16"}), env)
+    zen4 = frozenset({"avx512f", "avx512_bf16"})
+    assert cpu_decode_attention.prefix_supported(bf16, bf16, zen4, env)
+    assert not cpu_decode_attention.prefix_supported(bf16, bf16, frozenset({"avx512f", "avx2"}), env)
     for var in ("ASERVE_CPU_DECODE_PREFIX", "ASERVE_CPU_AMX"):
         assert not cpu_decode_attention.prefix_supported(bf16, bf16, amx, read_env({var: "0"}))
+    assert not cpu_decode_attention.prefix_supported(bf16, bf16, zen4, read_env({"ASERVE_CPU_DECODE_PREFIX": "0"}))
+    assert cpu_decode_attention.prefix_supported(bf16, bf16, zen4, read_env({"ASERVE_CPU_AMX": "0"}))

@@ -205,11 +205,11 @@ def test_tensor_parallel_2_same_tokens_and_logprobs(dtype, arch, model_dirs, mon
     assert plain == fused
 
 
-@needs_amx
+@needs_bf16_kernel
 def test_rows_sharing_a_prefix_attend_over_it_together(llama_dir, monkeypatch):
     """Ten requests that open with the same 96 tokens, after one that put them in the
     prefix cache: their decode steps hand the shared blocks to the attention kernel
-    (which, on AMX, attends over them for all rows at once), the one-call step and the
+    (which, with AMX or AVX512-BF16, attends over them for all rows at once), the one-call step and the
     layer-by-layer path agree bit for bit, and the tokens are the row-by-row attention's
     (``ASERVE_CPU_DECODE_PREFIX=0``)."""
     prefix = list(range(3, 99))

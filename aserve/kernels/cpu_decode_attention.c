@@ -61,7 +61,8 @@ typedef struct {
     const float *pm, *pl, *pacc;
 } Args;
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || (defined(__AVX512F__) && defined(__AVX512BF16__))
+#define ASERVE_DECODE_PREFIX 1
 #include "cpu_decode_prefix.h"
 #endif
 
@@ -569,7 +570,7 @@ int aserve_decode_attention(const void *q, void *k, void *v, const void *k_new, 
                  q_stride_b, q_stride_h, out_stride_b, out_stride_h,
                  kv_stride_block, kv_stride_token, kv_stride_head, scale, q_bf16, kv_bf16, num_threads,
                  prefix_blocks, 0, NULL, NULL, NULL};
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef ASERVE_DECODE_PREFIX
     float *state = NULL;
     if (prefix_blocks > 0 && (state = malloc(sizeof(float) * (size_t)(B * Hq * (D + 2)))) != NULL) {
         args.prefix = prefix_phase(&args, state, state + B * Hq, state + 2 * B * Hq);

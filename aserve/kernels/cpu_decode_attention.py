@@ -34,13 +34,16 @@ DecodeAttention = Callable[..., torch.Tensor]
 def prefix_supported(cache_dtype: torch.dtype, model_dtype: torch.dtype, flags: frozenset[str] | None = None,
                      env: Env | None = None) -> bool:
     """Whether :func:`load`'s kernel computes a shared prefix for all rows at once here:
-    a bf16 cache under a bf16 model, on a CPU with AMX, not switched off
-    (``ASERVE_CPU_DECODE_PREFIX=0``, ``ASERVE_CPU_AMX=0``). Elsewhere ``prefix_blocks``
-    changes nothing, and the runner need not find it."""
+    a bf16 cache under a bf16 model, on a CPU with AMX (its tiles) or, without AMX, with
+    AVX512-BF16 (``cpu_decode_prefix.h``), not switched off (``ASERVE_CPU_DECODE_PREFIX=0``;
+    on an AMX CPU ``ASERVE_CPU_AMX=0`` too, as the library built for it takes the tiles).
+    Elsewhere ``prefix_blocks`` changes nothing, and the runner need not find it."""
     env = read_env() if env is None else env
-    flags = cpu_flags() if flags is None else flags
-    return (env.cpu_decode_prefix and env.cpu_amx and cache_dtype == model_dtype == torch.bfloat16
-            and flags is not None and {"amx_tile", "amx_bf16"} <= flags)
+    flags = (cpu_flags() if flags is None else flags) or frozenset()
+    amx = {"amx_tile", "amx_bf16"} <= flags
+    avx512_bf16 = {"avx512f", "avx512_bf16"} <= flags
+    return (env.cpu_decode_prefix and cache_dtype == model_dtype == torch.bfloat16
+            and (env.cpu_amx if amx else avx512_bf16))
 
 
 def shared_prefix_blocks(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
@@ -63,7 +66,7 @@ def build() -> None:
         build_ahead(_SOURCE, env.cache_dir / "kernels")
 
 
-def load() -> DecodeAttention | None:
+def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
     """The kernel as ``attend(q, keys, values, block_table, seq_lens, scale, new_keys=None,
     new_values=None, prefix_blocks=0) -> out``, or None where it is unavailable or switched
     off (``ASERVE_CPU_ATTENTION=sdpa``).
@@ -78,14 +81,16 @@ def load() -> DecodeAttention | None:
     bfloat16, not necessarily the same: a bf16 cache under a float32 model is
     ``--kv-cache-dtype bfloat16``. ``prefix_blocks``: the leading columns of
     ``block_table`` that every row shares, each row's context reaching past them
-    (:func:`shared_prefix_blocks`); on a CPU with AMX, with bf16 queries and cache, the
-    kernel attends over them for all rows at once as matrix products
+    (:func:`shared_prefix_blocks`); on a CPU with AMX or AVX512-BF16, with bf16 queries
+    and cache, the kernel attends over them for all rows at once as matrix products
     (``cpu_decode_prefix.h``), where it pays; elsewhere it changes nothing.
+    ``extra_flags``: more compiler flags (tests build the AVX512-BF16 form on an AMX CPU
+    with ``-mno-amx-tile``).
     """
     env = read_env()
     if env.cpu_attention == "sdpa":
         return None
-    lib = load_library(_SOURCE, env.cache_dir / "kernels", "decode attention")
+    lib = load_library(_SOURCE, env.cache_dir / "kernels", "decode attention", extra_flags)
     if lib is None:
         return None
     fn = lib.aserve_decode_attention

@@ -1,5 +1,5 @@
-/* Decode attention's shared prefix on AMX tiles ("cascade attention"), for
- * cpu_decode_attention.c on CPUs with AMX.
+/* Decode attention's shared prefix as matrix products ("cascade attention"), for
+ * cpu_decode_attention.c on CPUs with AMX, or with AVX512-BF16 and no AMX.
  *
  * Why: when every decode row of a step shares its first blocks (the prefix cache handed
  * the same system prompt or few-shot preamble to each request), each row still attends
@@ -8,7 +8,8 @@
  * not by memory (docs/performance.md, "Decode rows that share a prefix"). Stacked, the
  * rows' queries for one KV head form a matrix, and the prefix's part of their attention
  * becomes two matrix products over keys and values read once, which AMX tiles compute
- * at more than ten times the vector rate.
+ * at more than ten times the vector rate (where there are no tiles, AVX512-BF16's
+ * vdpbf16ps: bf16 pairs, each key and value loaded once for six query rows).
  *
  * For each KV head (one task each, split between OpenMP threads):
  *   - the prefix's keys laid out as K^T in AMX's B layout, its values as pairs of keys
@@ -25,6 +26,7 @@
  * attention, with the prefix's weights rounded to bf16 (relative error about 2^-9 each)
  * where the vector path keeps them in float32.
  *
+ * The products are cpu_prefill_common.h's: amx_scores / amx_values, or pa_product.
  * Needs: q and the cache in bf16, D a multiple of 32 and at most MAX_D, every row's
  * context longer than the prefix (the caller's check).
  */
@@ -37,6 +39,10 @@
 #include <string.h>
 
 #include "cpu_prefill_common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PREFIX_TILES 1 /* else AVX512-BF16 (cpu_decode_attention.c includes this file only then) */
+#endif
 
 /* The shape a prefix phase pays for: its K and V layouts cost about what two rows'
  * vector attention over the prefix costs, so with few rows or few tokens the vector
@@ -87,8 +93,12 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
             const int64_t b = (r0 + i) / G, hq = hk * G + (r0 + i) % G;
             memcpy(qb + i * D, (const uint16_t *)a->q + b * a->q_stride_b + hq * a->q_stride_h, (size_t)D * 2);
         }
+#ifdef PREFIX_TILES
         amx_configure_rows(rows);
         amx_scores(qb, D, kt, D, kblocks, s, width); /* S = Q K^T */
+#else
+        pa_product(qb, D, rows, kt, kblocks, D / 32 * 256, 256, D / 2, s, width);
+#endif
         for (int i = 0; i < rows; i++) { /* softmax numerators, the max and the sum kept */
             const float *row = s + i * width;
             uint16_t *prow = p + i * width;
@@ -107,16 +117,20 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
             pm[at] = m;
             pl[at] = _mm512_reduce_add_ps(sum);
         }
-        float o[16 * 16] __attribute__((aligned(64)));
-        for (int64_t t = 0; t < DT; t++) { /* acc = P V, 16 columns of D at a time */
-            amx_values(p, width, vv, D, t, pblocks, o);
-            for (int i = 0; i < rows; i++) {
-                const int64_t at = (r0 + i) / G * a->Hq + hk * G + (r0 + i) % G;
-                memcpy(pacc + at * D + 16 * t, o + 16 * i, 64);
-            }
+        float o[16 * MAX_D] __attribute__((aligned(64))); /* acc = P V, rows D apart */
+#ifdef PREFIX_TILES
+        for (int64_t t = 0; t < DT; t++) amx_values(p, width, vv, D, t, pblocks, o + 16 * t, D);
+#else
+        pa_product(p, width, rows, vv, DT, 256, DT * 256, 16 * pblocks, o, D);
+#endif
+        for (int i = 0; i < rows; i++) {
+            const int64_t at = (r0 + i) / G * a->Hq + hk * G + (r0 + i) % G;
+            memcpy(pacc + at * D, o + i * D, (size_t)D * 4);
         }
     }
+#ifdef PREFIX_TILES
     _tile_release();
+#endif
     free(scratch);
     return 0;
 }
@@ -124,7 +138,7 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
 /* Runs the prefix phase when it applies, over the first prefix_blocks blocks of the
  * block table (the same for every row): fills pm, pl ([B * Hq]) and pacc ([B * Hq, D],
  * element order) for row b, query head h at b * Hq + h, and returns the tokens it
- * covered (T), or 0 when it does not apply: no AMX, a dtype or shape it does not take,
+ * covered (T), or 0 when it does not apply: no AMX permission, a dtype or shape it does not take,
  * a prefix or a batch too small to pay for it, or no memory. */
 static int64_t prefix_phase(const Args *a, float *pm, float *pl, float *pacc) {
     static int tiles = -1; /* the process's AMX permission, asked once (idempotent anyway) */
@@ -134,8 +148,12 @@ static int64_t prefix_phase(const Args *a, float *pm, float *pl, float *pacc) {
         return 0;
     for (int64_t b = 0; b < a->B; b++)
         if (a->seq_lens[b] <= T) return 0; /* the caller's promise, checked: a row's own token lies past T */
+#ifdef PREFIX_TILES
     if (tiles < 0) tiles = amx_request_tiles();
     if (!tiles) return 0;
+#else
+    (void)tiles;
+#endif
     int failed = 0;
     const int nt = a->num_threads > a->Hk ? (int)a->Hk : a->num_threads;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1) reduction(| : failed)

@@ -19,25 +19,6 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PREFILL_AVX512_AVAILABLE 1
-#include "cpu_bf16_block.h"
-
-/* out[rows, 16 * tiles] = A[rows, 2 KP] . B, in blocks of 6 rows by 4 tiles
- * (cpu_bf16_block.h): tile t's chunk 0 at b + t * tile_stride, chunks chunk_stride apart
- * (32-bit words, as the layouts count them); KP a multiple of 16. */
-static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t *b, int64_t tiles,
-                       int64_t tile_stride, int64_t chunk_stride, int64_t KP, float *out, int64_t ld) {
-    prefetch_run none = {NULL, NULL, 0, 0, 0};
-    for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
-        const int nt = (int)(tiles - t0 < 4 ? tiles - t0 : 4);
-        const uint16_t *tile[4];
-        for (int t = 0; t < 4; t++) tile[t] = (const uint16_t *)(b + (t0 + (t < nt ? t : 0)) * tile_stride);
-        for (int r0 = 0; r0 < rows; r0 += 6) {
-            const int mr = rows - r0 < 6 ? rows - r0 : 6;
-            BF16_BLOCK_TABLE[mr - 1][nt - 1](a + r0 * lda, lda, tile, 2 * chunk_stride, 0, KP / 16,
-                                             out + r0 * ld + 16 * t0, ld, 1, &none);
-        }
-    }
-}
 
 /* Rows q0 .. q0 + rows - 1 of one query head: cpu_prefill_attention.c's row_block, with
  * the products above. */

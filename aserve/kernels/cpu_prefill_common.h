@@ -53,12 +53,37 @@ static void layout_values(const KeyRows *v, int64_t len, int64_t D, uint32_t *vv
         }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "cpu_bf16_block.h"
+
+/* Either product of a block of query rows with AVX512-BF16 (cpu_prefill_attention_avx512.c,
+ * and cpu_decode_prefix.h on CPUs without AMX): out[rows, 16 * tiles] = A[rows, 2 KP] . B,
+ * in blocks of 6 rows by 4 tiles (cpu_bf16_block.h): tile t's chunk 0 at
+ * b + t * tile_stride, chunks chunk_stride apart (32-bit words, as the layouts count
+ * them); KP a multiple of 16. */
+static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t *b, int64_t tiles,
+                       int64_t tile_stride, int64_t chunk_stride, int64_t KP, float *out, int64_t ld) {
+    prefetch_run none = {NULL, NULL, 0, 0, 0};
+    for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+        const int nt = (int)(tiles - t0 < 4 ? tiles - t0 : 4);
+        const uint16_t *tile[4];
+        for (int t = 0; t < 4; t++) tile[t] = (const uint16_t *)(b + (t0 + (t < nt ? t : 0)) * tile_stride);
+        for (int r0 = 0; r0 < rows; r0 += 6) {
+            const int mr = rows - r0 < 6 ? rows - r0 : 6;
+            BF16_BLOCK_TABLE[mr - 1][nt - 1](a + r0 * lda, lda, tile, 2 * chunk_stride, 0, KP / 16,
+                                             out + r0 * ld + 16 * t0, ld, 1, &none);
+        }
+    }
+}
+
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* The two products of a block of `rows` query rows on AMX tiles (amx_configure_rows(rows)
  * first), for cpu_prefill_attention.c and cpu_decode_prefix.h:
  *   amx_scores:  s[rows x 16 kblocks] (rows `width` floats apart) = Q K^T over the first
  *                16 * kblocks keys of kt (layout_keys), q's rows `q_stride` elements apart;
- *   amx_values:  o[rows x 16] (float32, 16 apart) = P V for columns 16t .. 16t + 15 of D,
+ *   amx_values:  o[rows x 16] (float32, rows `ld` apart) = P V for columns 16t .. 16t + 15 of D,
  *                over the first 32 * pblocks weights of each row of p (bf16, `width`
  *                apart) and vv (layout_values). */
 static inline void amx_scores(const uint16_t *q, int64_t q_stride, const uint32_t *kt, int64_t D, int64_t kblocks,
@@ -76,7 +101,7 @@ static inline void amx_scores(const uint16_t *q, int64_t q_stride, const uint32_
 }
 
 static inline void amx_values(const uint16_t *p, int64_t width, const uint32_t *vv, int64_t D, int64_t t,
-                              int64_t pblocks, float *o) {
+                              int64_t pblocks, float *o, int64_t ld) {
     const int64_t DT = D / 16;
     _tile_zero(0);
     for (int64_t b = 0; b < pblocks; b++) {
@@ -84,7 +109,7 @@ static inline void amx_values(const uint16_t *p, int64_t width, const uint32_t *
         _tile_loadd(2, vv + (b * DT + t) * 256, 64);
         _tile_dpbf16ps(0, 1, 2);
     }
-    _tile_stored(0, o, 64);
+    _tile_stored(0, o, ld * 4);
 }
 #endif
 

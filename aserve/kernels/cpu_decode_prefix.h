@@ -44,9 +44,10 @@
 #define PREFIX_TILES 1 /* else AVX512-BF16 (cpu_decode_attention.c includes this file only then) */
 #endif
 
-/* The shape a prefix phase pays for: its K and V layouts cost about what two rows'
- * vector attention over the prefix costs, so with few rows or few tokens the vector
- * path alone is as fast. */
+/* The shape a prefix phase pays for: its K and V layouts cost about what three rows'
+ * vector attention over the prefix costs (152M heads, 1,024 tokens, AMX: ~0.2 ms a layer
+ * against ~0.07 a row), so with few rows or few tokens the vector path alone is as fast;
+ * at 8 rows the phase already halves the layer (docs/performance.md). */
 #define PREFIX_MIN_ROWS 8    /* query rows per KV head: sequences x query heads per KV head */
 #define PREFIX_MIN_TOKENS 64
 
@@ -138,8 +139,8 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
 /* Runs the prefix phase when it applies, over the first prefix_blocks blocks of the
  * block table (the same for every row): fills pm, pl ([B * Hq]) and pacc ([B * Hq, D],
  * element order) for row b, query head h at b * Hq + h, and returns the tokens it
- * covered (T), or 0 when it does not apply: no AMX permission, a dtype or shape it does not take,
- * a prefix or a batch too small to pay for it, or no memory. */
+ * covered (T), or 0 when it does not apply: no AMX permission, a dtype or shape it does
+ * not take, a prefix or a batch too small to pay for it, or no memory. */
 static int64_t prefix_phase(const Args *a, float *pm, float *pl, float *pacc) {
     static int tiles = -1; /* the process's AMX permission, asked once (idempotent anyway) */
     const int64_t T = a->prefix_blocks * a->block_size, G = a->Hq / a->Hk;

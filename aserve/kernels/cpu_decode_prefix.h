@@ -103,9 +103,7 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
         for (int i = 0; i < rows; i++) { /* softmax numerators, the max and the sum kept */
             const float *row = s + i * width;
             uint16_t *prow = p + i * width;
-            __m512 mx = _mm512_set1_ps(-3.0e38f);
-            for (int64_t t = 0; t < T; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
-            const float m = _mm512_reduce_max_ps(mx) * scale;
+            const float m = row_max(row, T) * scale;
             const __m512 ms = _mm512_set1_ps(m), sc = _mm512_set1_ps(scale);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t t = 0; t < T; t += 16) {
@@ -120,7 +118,7 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
         }
         float o[16 * MAX_D] __attribute__((aligned(64))); /* acc = P V, rows D apart */
 #ifdef PREFIX_TILES
-        for (int64_t t = 0; t < DT; t++) amx_values(p, width, vv, D, t, pblocks, o + 16 * t, D);
+        amx_values(p, width, vv, D, pblocks, o, D);
 #else
         pa_product(p, width, rows, vv, DT, 256, DT * 256, 16 * pblocks, o, D);
 #endif

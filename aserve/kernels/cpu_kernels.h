@@ -27,16 +27,18 @@ static inline int amx_request_tiles(void) {
 }
 
 #if defined(__AMX_TILE__)
-/* The attention kernels' tiles (cpu_prefill_attention.c, cpu_decode_prefix.h): 0, a
- * float32 accumulator of `rows` x 16; 1, an A operand of `rows` x 32 bf16; 2, a B
- * operand of 16 rows of bf16 pairs. For the calling thread (the state is per thread). */
+/* The attention kernels' tiles (cpu_prefill_attention.c, cpu_decode_prefix.h): 0, 3, 4
+ * and 5, float32 accumulators of `rows` x 16; 1, an A operand of `rows` x 32 bf16; 2, 6
+ * and 7, B operands of 16 rows of bf16 pairs. For the calling thread (the state is per
+ * thread). */
 static inline void amx_configure_rows(int rows) {
     amx_tile_config cfg;
     __builtin_memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    cfg.rows[0] = cfg.rows[1] = (uint8_t)rows;
-    cfg.rows[2] = 16;
-    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)(t == 2 || t >= 6 ? 16 : rows);
+        cfg.colsb[t] = 64;
+    }
     _tile_loadconfig(&cfg);
 }
 #endif

@@ -50,15 +50,14 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
     amx_scores(q + q0 * q_stride, q_stride, kt, D, kblocks, s, width); /* S = Q K^T; s is rows x width floats */
     float inv_sum[16];
     softmax_rows(s, p, rows, width, ctx, q0, pblocks, scale, inv_sum);
-    /* O = P V, 16 columns of D at a time, then scaled and rounded into out. */
-    float o[16 * 16] __attribute__((aligned(64)));
-    for (int64_t t = 0; t < DT; t++) {
-        amx_values(p, width, vv, D, t, pblocks, o, 16);
-        for (int i = 0; i < rows; i++) {
-            const __m512 r = _mm512_mul_ps(_mm512_load_ps(o + 16 * i), _mm512_set1_ps(inv_sum[i]));
+    /* O = P V, then scaled and rounded into out. */
+    float o[16 * MAX_D] __attribute__((aligned(64)));
+    amx_values(p, width, vv, D, pblocks, o, D);
+    for (int i = 0; i < rows; i++)
+        for (int64_t t = 0; t < DT; t++) {
+            const __m512 r = _mm512_mul_ps(_mm512_load_ps(o + i * D + 16 * t), _mm512_set1_ps(inv_sum[i]));
             _mm256_storeu_si256((__m256i *)(out + (q0 + i) * out_stride + 16 * t), to_bf16x16(r));
         }
-    }
 }
 
 static void release_tiles(void) { _tile_release(); }

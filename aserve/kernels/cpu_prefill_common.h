@@ -83,35 +83,84 @@ static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t 
  * first), for cpu_prefill_attention.c and cpu_decode_prefix.h:
  *   amx_scores:  s[rows x 16 kblocks] (rows `width` floats apart) = Q K^T over the first
  *                16 * kblocks keys of kt (layout_keys), q's rows `q_stride` elements apart;
- *   amx_values:  o[rows x 16] (float32, rows `ld` apart) = P V for columns 16t .. 16t + 15 of D,
- *                over the first 32 * pblocks weights of each row of p (bf16, `width`
- *                apart) and vv (layout_values). */
+ *   amx_values:  o[rows x D] (float32, rows `ld` apart) = P V over the first 32 * pblocks
+ *                weights of each row of p (bf16, `width` apart) and vv (layout_values).
+ * D a multiple of 32. */
 static inline void amx_scores(const uint16_t *q, int64_t q_stride, const uint32_t *kt, int64_t D, int64_t kblocks,
                               float *s, int64_t width) {
+    /* Two key blocks at a time, each into its own accumulator (0 and 3), so one's
+       products do not wait on the other's; with D <= 64 the query's one or two tiles
+       stay loaded (1 and 4) for the whole row. */
     const int64_t DC = D / 32;
-    for (int64_t j = 0; j < kblocks; j++) {
+    const int keep = DC <= 2;
+    if (keep) {
+        _tile_loadd(1, q, q_stride * 2);
+        if (DC == 2) _tile_loadd(4, q + 32, q_stride * 2);
+    }
+    for (int64_t j = 0; j < kblocks; j += 2) {
+        const int two = j + 1 < kblocks;
         _tile_zero(0);
+        if (two) _tile_zero(3);
         for (int64_t c = 0; c < DC; c++) {
-            _tile_loadd(1, q + 32 * c, q_stride * 2);
+            if (!keep) _tile_loadd(1, q + 32 * c, q_stride * 2);
             _tile_loadd(2, kt + (j * DC + c) * 256, 64);
-            _tile_dpbf16ps(0, 1, 2);
+            if (two) _tile_loadd(6, kt + ((j + 1) * DC + c) * 256, 64);
+            if (keep && c == 1) {
+                _tile_dpbf16ps(0, 4, 2);
+                if (two) _tile_dpbf16ps(3, 4, 6);
+            } else {
+                _tile_dpbf16ps(0, 1, 2);
+                if (two) _tile_dpbf16ps(3, 1, 6);
+            }
         }
         _tile_stored(0, s + 16 * j, width * 4);
+        if (two) _tile_stored(3, s + 16 * (j + 1), width * 4);
     }
 }
 
-static inline void amx_values(const uint16_t *p, int64_t width, const uint32_t *vv, int64_t D, int64_t t,
-                              int64_t pblocks, float *o, int64_t ld) {
+/* Four column tiles t0 .. t0 + 3 (or two: n = 2) of P V, the weights' tile loaded once
+ * for them all and each product into its own accumulator: one accumulator took every
+ * product of a column tile in a chain, each waiting on the one before. */
+#define AMX_PV_STEP(acc, btile, t)                                 \
+    _tile_loadd(btile, vv + (b * DT + (t)) * 256, 64);             \
+    _tile_dpbf16ps(acc, 1, btile)
+
+static inline void amx_values(const uint16_t *p, int64_t width, const uint32_t *vv, int64_t D, int64_t pblocks,
+                              float *o, int64_t ld) {
     const int64_t DT = D / 16;
-    _tile_zero(0);
-    for (int64_t b = 0; b < pblocks; b++) {
-        _tile_loadd(1, p + 32 * b, width * 2);
-        _tile_loadd(2, vv + (b * DT + t) * 256, 64);
-        _tile_dpbf16ps(0, 1, 2);
+    for (int64_t t0 = 0; t0 < DT; t0 += 4) {
+        const int four = DT - t0 >= 4;
+        _tile_zero(0);
+        _tile_zero(3);
+        if (four) {
+            _tile_zero(4);
+            _tile_zero(5);
+        }
+        for (int64_t b = 0; b < pblocks; b++) {
+            _tile_loadd(1, p + 32 * b, width * 2);
+            AMX_PV_STEP(0, 2, t0);
+            AMX_PV_STEP(3, 6, t0 + 1);
+            if (four) {
+                AMX_PV_STEP(4, 7, t0 + 2);
+                AMX_PV_STEP(5, 2, t0 + 3);
+            }
+        }
+        _tile_stored(0, o + 16 * t0, ld * 4);
+        _tile_stored(3, o + 16 * (t0 + 1), ld * 4);
+        if (four) {
+            _tile_stored(4, o + 16 * (t0 + 2), ld * 4);
+            _tile_stored(5, o + 16 * (t0 + 3), ld * 4);
+        }
     }
-    _tile_stored(0, o, ld * 4);
 }
+#undef AMX_PV_STEP
 #endif
+
+/* The row stride, in elements, of a row block's scores (float) and weights (bf16) for
+ * `padded` keys: 32 more, so that the 16 rows of a tile stored to or loaded from them
+ * fall in different L1 sets. At a power-of-two width they are a multiple of 4 KiB apart
+ * and all land in one set of 12 ways, and each tile access evicts its own lines. */
+static inline int64_t row_width(int64_t padded) { return padded + 32; }
 
 /* exp for the softmax weights, which are rounded to bf16 (8 bits of mantissa) before
  * the second product and summed in float32: one-step range reduction and a degree-5
@@ -131,6 +180,24 @@ static inline __m512 exp_weights(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* The maximum of row[0 .. n) (-3e38 when n = 0): four independent chains of vmaxps,
+ * where one waited on each maximum before the next (the pass took a tenth of the
+ * prefill attention's samples). */
+static inline float row_max(const float *row, int64_t n) {
+    __m512 m0 = _mm512_set1_ps(-3.0e38f), m1 = m0, m2 = m0, m3 = m0;
+    int64_t t = 0;
+    for (; t + 64 <= n; t += 64) {
+        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(row + t));
+        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(row + t + 16));
+        m2 = _mm512_max_ps(m2, _mm512_loadu_ps(row + t + 32));
+        m3 = _mm512_max_ps(m3, _mm512_loadu_ps(row + t + 48));
+    }
+    for (; t + 16 <= n; t += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(row + t));
+    float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+    for (; t < n; t++) m = row[t] > m ? row[t] : m;
+    return m;
+}
+
 /* The softmax of a block of query rows between the two products: s (rows x width
  * floats, the scores of keys 0 .. ctx + q0 + i for row i) -> p (rows x width bf16, the
  * weights rounded, zeros past each row's last key up to 32 * pblocks), and inv_sum (1 / the
@@ -141,11 +208,8 @@ static void softmax_rows(const float *s, uint16_t *p, int rows, int64_t width, i
         const float *row = s + i * width;
         uint16_t *prow = p + i * width;
         const int64_t n = ctx + q0 + i + 1;
-        __m512 mx = _mm512_set1_ps(-3.0e38f);
-        int64_t t = 0;
-        for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
-        float m = _mm512_reduce_max_ps(mx);
-        for (; t < n; t++) m = row[t] > m ? row[t] : m;
+        const float m = row_max(row, n);
+        int64_t t;
         const __m512 ms = _mm512_set1_ps(m * scale), sc = _mm512_set1_ps(scale);
         __m512 acc = _mm512_setzero_ps();
         for (t = 0; t < n; t += 16) {
@@ -184,16 +248,16 @@ static int prefill_run(row_block_fn row_block, void (*task_done)(void), const ui
         const int64_t i = task / Hk, h = task % Hk, start = starts[i], len = lens[i];
         const int64_t c0 = ctx ? ctx[i] : 0, total = c0 + len;
         if (len <= 0) continue;
-        const int64_t padded = (total + 31) / 32 * 32;
-        /* kt, vv: padded x D bf16 each; s: 16 x padded floats; p: 16 x padded bf16. */
-        char *scratch = aligned_alloc(64, (size_t)(padded * D * 4 + 16 * padded * 6));
+        const int64_t padded = (total + 31) / 32 * 32, width = row_width(padded);
+        /* kt, vv: padded x D bf16 each; s: 16 x width floats; p: 16 x width bf16. */
+        char *scratch = aligned_alloc(64, (size_t)(padded * D * 4 + 16 * width * 6));
         if (!scratch) {
             failed |= 1;
             continue;
         }
         uint32_t *kt = (uint32_t *)scratch, *vv = (uint32_t *)(scratch + padded * D * 2);
         float *s = (float *)(scratch + padded * D * 4);
-        uint16_t *p = (uint16_t *)(scratch + padded * D * 4 + 16 * padded * 4);
+        uint16_t *p = (uint16_t *)(scratch + padded * D * 4 + 16 * width * 4);
         KeyRows ks = {k + start * k_stride + h * D, 2, k_stride, NULL, 0, 0, 0};
         KeyRows vs = {v + start * v_stride + h * D, 2, v_stride, NULL, 0, 0, 0};
         if (c0 > 0) {
@@ -207,7 +271,7 @@ static int prefill_run(row_block_fn row_block, void (*task_done)(void), const ui
             const int64_t hq = h * group + g;
             for (int64_t q0 = 0; q0 < len; q0 += 16)
                 row_block(q + start * q_stride + hq * D, q_stride, out + start * out_stride + hq * D, out_stride, q0,
-                          (int)(len - q0 < 16 ? len - q0 : 16), c0, D, scale, kt, vv, s, p, padded);
+                          (int)(len - q0 < 16 ? len - q0 : 16), c0, D, scale, kt, vv, s, p, width);
         }
         if (task_done) task_done();
         free(scratch);

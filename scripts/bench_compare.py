@@ -4,6 +4,7 @@
     python scripts/bench_compare.py [--vllm-venv /tmp/vllm-cpu-venv] [--out results/compare.json]
                                     [--num-prompts 200] [--only LOAD ...] [--systems aserve vllm]
                                     [--client aserve|vllm] [--aserve-args "FLAGS"] [--vllm-args "FLAGS"]
+                                    [--request-rate R]
 
 Install the peer first (about 5 minutes; never a dependency of aserve):
 ``bash ../shared/peers/setup-vllm-cpu.sh /tmp/vllm-cpu-venv``.
@@ -148,7 +149,7 @@ def load(args: argparse.Namespace, model: Path, spec: Load, prompts: int, tag: s
     common = ["--base-url", f"http://127.0.0.1:{PORT}", "--model", str(model), "--tokenizer", str(model),
               "--random-input-len", str(spec.input_len), "--random-output-len", str(spec.output_len),
               "--random-range-ratio", "0", "--num-prompts", str(prompts), "--max-concurrency", str(spec.concurrency),
-              "--request-rate", "inf", "--ignore-eos", "--seed", "0"]
+              "--request-rate", str(args.request_rate), "--ignore-eos", "--seed", "0"]
     if args.client == "vllm":
         dataset = ["--dataset-name", "random"] + (["--random-prefix-len", str(spec.prefix_len)] if spec.prefix_len else [])
         cmd = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
@@ -218,6 +219,9 @@ def main() -> None:
     parser.add_argument("--client", choices=("aserve", "vllm"), default="aserve")
     parser.add_argument("--aserve-args", default="", help="more flags for aserve run")
     parser.add_argument("--vllm-args", default="", help="more flags for vllm serve")
+    parser.add_argument("--request-rate", default="inf",
+                        help="requests a second, Poisson arrivals (default inf: every stream sends its next "
+                             "request as its last ends); a fixed rate gives both servers the same prefill demand")
     parser.add_argument("--client-args", default="",
                         help="more flags for aserve bench serve (say \"--structured json_schema\")")
     args = parser.parse_args()
@@ -250,6 +254,7 @@ def main() -> None:
                 result["pss_mib"] = pss_mib(process_tree(server.proc.pid))
                 result["ready_s"] = server.ready_s
                 result["server_cmd"] = cmd
+                result["request_rate"] = args.request_rate
                 rows.setdefault(key, {})[system] = result
             finally:
                 server.stop()

@@ -76,6 +76,21 @@ def test_prefill_groups_and_row_panels_cover_every_output_once(amx, set_threads)
     torch.testing.assert_close(outs[0].float(), reference(x, w).float(), rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("in_features", [544, 1056, 2816])  # 17, 33 and 88 chunks of 32: blocks of 16 and a rest
+def test_prefill_split_over_k_gives_the_bits_of_one_pass(amx, in_features):
+    """Prefill rows (more than 32) are summed over K a block at a time, their partial sums
+    stored and loaded between blocks; each output keeps its order of sums, so the first
+    32 rows of a prefill equal those rows as a decode call (one pass over all of K)."""
+    g = torch.Generator().manual_seed(in_features)
+    x = torch.randn(77, in_features, generator=g).bfloat16()
+    w = (torch.randn(96, in_features, generator=g) * 0.05).bfloat16()
+    packed = amx.pack(w)
+    prefill = amx.linear(x, packed, 96)
+    assert torch.equal(prefill[:32], amx.linear(x[:32], packed, 96))
+    assert torch.equal(prefill[64:], amx.linear(x[64:], packed, 96))  # a last chunk of 13 rows
+    torch.testing.assert_close(prefill.float(), reference(x, w).float(), rtol=2**-7, atol=1e-2)
+
+
 def test_supports_bf16_weights_whose_input_side_is_a_multiple_of_32(amx):
     assert amx.supports(torch.zeros(64, 32, dtype=torch.bfloat16))
     assert amx.supports(torch.zeros(48, 32, dtype=torch.bfloat16))  # outputs padded to 64

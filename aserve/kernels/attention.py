@@ -75,7 +75,8 @@ class AttentionMetadata:
     decode_kernel: DecodeAttention | None = None
     decode_seq_lens: torch.Tensor | None = None
     # Leading columns of ``decode_block_table`` every decode row shares, each row's
-    # context past them: the kernel attends over them for all rows at once (AMX). 0
+    # context past them: the kernel attends over them for all rows at once (AMX or
+    # AVX512-BF16, bf16). 0
     # where the runner does not look (aserve.kernels.cpu_decode_attention.prefix_supported).
     decode_prefix_blocks: int = 0
     # The C kernel (aserve.kernels.cpu_prefill_attention), when the runner has it: every

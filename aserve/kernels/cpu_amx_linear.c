@@ -33,6 +33,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -72,22 +73,36 @@ static void configure(int rows0, int rows1) {
     _tile_loadconfig(&cfg);
 }
 
-/* One 32-column output block (pair p) for rows [0, rows) of x, rows <= 32, over all of
- * K; the tile configuration must match `rows`, and `two` must be rows > 16 (a constant
- * at each call site, so each gets its own loop: a branch in the loop cost more than the
- * better prefetch won). `stream` (decode: the weights come from memory once) prefetches
- * ahead; prefill blocks read weights that are already in L2, where the prefetches only
- * took load slots (M = 2064, K = 256, N = 1408, one thread: 1.59 -> 1.40 ms without). */
+/* One 32-column output block (pair p) for rows [0, rows) of x, rows <= 32, over the
+ * weights' K chunks [kc0, kc1) of 32; the tile configuration must match `rows`, and
+ * `two` must be rows > 16 (a constant at each call site, so each gets its own loop: a
+ * branch in the loop cost more than the better prefetch won). The sums start from zero
+ * when kc0 = 0, else from `part` (32 x 32 floats, the earlier chunks' sums); they end in
+ * y, rounded to bf16, when kc1 = KC, else in `part`. Either way each output is summed
+ * over K in order, so a block split over K gives the bits of one that is not.
+ * `stream` (decode: the weights come from memory once) prefetches ahead; prefill blocks
+ * read weights that are already in L2, where the prefetches only took load slots
+ * (M = 2064, K = 256, N = 1408, one thread: 1.59 -> 1.40 ms without). */
 static inline __attribute__((always_inline)) void pair_block(const uint16_t *x, int64_t x_stride, const char *w,
-                                                             uint16_t *y, int64_t y_stride, int rows, int64_t KC,
-                                                             int64_t p, const int two, const int stream) {
+                                                             uint16_t *y, int64_t y_stride, int rows, int64_t kc0,
+                                                             int64_t kc1, int64_t KC, float *part, int64_t p,
+                                                             const int two, const int stream) {
     const int64_t xs = x_stride * 2; /* bytes */
     float acc[32 * 32] __attribute__((aligned(64)));
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kc = 0; kc < KC; kc++) {
+    if (kc0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, part, 128);
+        _tile_loadd(1, part + 16, 128);
+        if (two) {
+            _tile_loadd(2, part + 16 * 32, 128);
+            _tile_loadd(3, part + 16 * 32 + 16, 128);
+        }
+    }
+    for (int64_t kc = kc0; kc < kc1; kc++) {
         const char *b = w + kc * 2048;
         if (stream && two)
             for (int l = 0; l < 2048; l += 64) _mm_prefetch(b + PREFETCH_AHEAD_L2 + l, _MM_HINT_T2);
@@ -104,12 +119,14 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *x, 
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, acc, 128);
-    _tile_stored(1, acc + 16, 128);
+    float *out = kc1 == KC ? acc : part;
+    _tile_stored(0, out, 128);
+    _tile_stored(1, out + 16, 128);
     if (two) {
-        _tile_stored(2, acc + 16 * 32, 128);
-        _tile_stored(3, acc + 16 * 32 + 16, 128);
+        _tile_stored(2, out + 16 * 32, 128);
+        _tile_stored(3, out + 16 * 32 + 16, 128);
     }
+    if (kc1 < KC) return;
     for (int m = 0; m < rows; m++) {
         const __m512 lo = _mm512_load_ps(acc + m * 32), hi = _mm512_load_ps(acc + m * 32 + 16);
         const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo); /* round to nearest even */
@@ -134,27 +151,43 @@ static void decode_pairs(const uint16_t *x, int64_t x_stride, const uint16_t *wp
     const int rows0 = M > 16 ? 16 : (int)M, rows1 = M > 16 ? (int)M - 16 : 0;
     if (rows0 != cfg[0] || rows1 != cfg[1]) configure(cfg[0] = rows0, cfg[1] = rows1);
     if (M > 16)
-        pair_block(x, x_stride, (const char *)(wp + p * KC * 1024), y, y_stride, (int)M, KC, p, 1, 1);
+        pair_block(x, x_stride, (const char *)(wp + p * KC * 1024), y, y_stride, (int)M, 0, KC, KC, NULL, p, 1, 1);
     else
-        pair_block(x, x_stride, (const char *)(wp + p * KC * 1024), y, y_stride, (int)M, KC, p, 0, 1);
+        pair_block(x, x_stride, (const char *)(wp + p * KC * 1024), y, y_stride, (int)M, 0, KC, KC, NULL, p, 0, 1);
 }
 
 /* Pairs [p0, p1) for rows [m0, m1) (m0 a multiple of 32): for each 32-row chunk, every
- * pair in turn. */
+ * pair in turn, K_BLOCK chunks of K at a time. Why: over all of K a chunk of x (32 rows
+ * by K) does not fit L1 once K passes ~700 (32 x 1024 x 2 bytes = 64 KiB against 48), so
+ * every pair read x from L2 again, and a step's 2 KiB of x and 2 KiB of weights from L2
+ * took about as long as its four products. 32 rows of 256 of K (16 KiB) stay in L1
+ * across the group's pairs; each pair's partial sums (4 KiB, in `part`, pairs x 1,024
+ * floats) are stored and loaded once a block. The 152M model's four projections at
+ * 2,048 rows, two threads, the AMX machine: 19.1-19.7 -> 17.5-17.9 ms (blocks of 4 of K
+ * chunks: slower than none; 12: as 8 but for K = 2,816; 16 and 32: K = 2,816 12-15%
+ * slower); at 64 and 96 rows unchanged. kblock: K_BLOCK, or KC (all of K, `part`
+ * unused). */
+#define K_BLOCK 8
 static void prefill_pairs(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
-                          int64_t m0, int64_t m1, int64_t KC, int64_t p0, int64_t p1, int cfg[2]) {
+                          int64_t m0, int64_t m1, int64_t KC, int64_t p0, int64_t p1, float *part, int64_t kblock,
+                          int cfg[2]) {
     for (; m0 < m1; m0 += 32) {
         const int rows = (int)(m1 - m0 < 32 ? m1 - m0 : 32);
         const int rows0 = rows > 16 ? 16 : rows, rows1 = rows > 16 ? rows - 16 : 0;
         if (rows0 != cfg[0] || rows1 != cfg[1]) configure(cfg[0] = rows0, cfg[1] = rows1);
         const uint16_t *xm = x + m0 * x_stride;
         uint16_t *ym = y + m0 * y_stride;
-        if (rows > 16)
-            for (int64_t p = p0; p < p1; p++)
-                pair_block(xm, x_stride, (const char *)(wp + p * KC * 1024), ym, y_stride, rows, KC, p, 1, 0);
-        else
-            for (int64_t p = p0; p < p1; p++)
-                pair_block(xm, x_stride, (const char *)(wp + p * KC * 1024), ym, y_stride, rows, KC, p, 0, 0);
+        for (int64_t kc0 = 0; kc0 < KC; kc0 += kblock) {
+            const int64_t kc1 = kc0 + kblock < KC ? kc0 + kblock : KC;
+            if (rows > 16)
+                for (int64_t p = p0; p < p1; p++)
+                    pair_block(xm, x_stride, (const char *)(wp + p * KC * 1024), ym, y_stride, rows, kc0, kc1, KC,
+                               part ? part + (p - p0) * 1024 : NULL, p, 1, 0);
+            else
+                for (int64_t p = p0; p < p1; p++)
+                    pair_block(xm, x_stride, (const char *)(wp + p * KC * 1024), ym, y_stride, rows, kc0, kc1, KC,
+                               part ? part + (p - p0) * 1024 : NULL, p, 0, 0);
+        }
     }
 }
 
@@ -184,6 +217,8 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
         t = omp_get_thread_num();
 #endif
         int cfg[2] = {-1, -1};
+        /* A group's partial sums when K spans more than one block (prefill_pairs). */
+        float *part = prefill && KC > K_BLOCK ? aligned_alloc(64, (size_t)group * 4096) : NULL;
         for (int64_t i; (i = work_next(ranges, t, num_threads)) >= 0;) {
             if (!prefill) {
                 decode_pairs(x, x_stride, wp, y, y_stride, M, KC, i, cfg);
@@ -192,8 +227,10 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
             const int64_t g = i / panels, panel = i % panels;
             const int64_t p0 = g * group, p1 = p0 + group < pairs ? p0 + group : pairs;
             const int64_t m0 = panel * PANEL_CHUNKS * 32, m1 = m0 + PANEL_CHUNKS * 32 < M ? m0 + PANEL_CHUNKS * 32 : M;
-            prefill_pairs(x, x_stride, wp, y, y_stride, m0, m1, KC, p0, p1, cfg);
+            /* Without memory for the partial sums, over all of K at once. */
+            prefill_pairs(x, x_stride, wp, y, y_stride, m0, m1, KC, p0, p1, part, part ? K_BLOCK : KC, cfg);
         }
+        free(part);
         _tile_release();
     }
     return 0;

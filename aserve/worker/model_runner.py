@@ -106,7 +106,7 @@ class ModelRunner:
         # dense staged copies (use_decode_staging) or over gathered blocks.
         self.decode_kernel: DecodeAttention | None = None
         # Whether that kernel attends over a prefix all decode rows share for all of them
-        # at once (AMX, bf16): then each step finds that prefix's blocks.
+        # at once (bf16 on AMX or AVX512-BF16): then each step finds that prefix's blocks.
         self.decode_prefix = False
         # Prefill chunks: the C kernel of the model's dtype (bf16: AMX or AVX512-BF16;
         # float32: AVX-512F or AVX2 + FMA) when the cache has that dtype too, else SDPA.

@@ -17,7 +17,7 @@
  *   - for each block of up to 16 query rows (row r = sequence r / G, query head
  *     hk * G + r % G, with G query heads per KV head):
  *       S = Q K^T over the T prefix tokens, in float32;
- *       m = max(S) * scale, P = exp(S * scale - m) (cpu_prefill_common.h's exp_weights),
+ *       m = max(S) * scale, P = exp(S * scale - m) (cpu_prefill_common.h's exp2_weights),
  *           l = the sum of P, P rounded to bf16 for the second product, as the prefill
  *           kernel rounds it;
  *       acc = P V, in float32, not divided by l.
@@ -104,10 +104,11 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
             const float *row = s + i * width;
             uint16_t *prow = p + i * width;
             const float m = row_max(row, T) * scale;
-            const __m512 ms = _mm512_set1_ps(m), sc = _mm512_set1_ps(scale);
+            /* e^(s * scale - m) = 2^(s * c - m * log2(e)), c = scale * log2(e) */
+            const __m512 ms = _mm512_set1_ps(m * LOG2E), sc = _mm512_set1_ps(scale * LOG2E);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t t = 0; t < T; t += 16) {
-                const __m512 e = exp_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms));
+                const __m512 e = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms));
                 sum = _mm512_add_ps(sum, e);
                 _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
             }

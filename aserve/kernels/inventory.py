@@ -31,11 +31,11 @@ def describe(flags: frozenset[str] | None = None, model: str | None = None) -> s
     else:
         kernels.append("no float32 linear or prefill attention kernel (needs AVX2 and FMA)")
     if {"avx512f", "avx512_bf16"} <= flags:
-        kernels.append("AVX512-BF16 bf16 linear, prefill attention + its one-call decode")
+        kernels.append("AVX512-BF16 bf16 linear, prefill attention + its one-call decode, decode shared prefix")
     else:
         kernels.append("no AVX512-BF16 kernels (needs avx512f and avx512_bf16)")
     if {"amx_tile", "amx_bf16"} <= flags:
-        kernels.append("AMX bf16 linear, prefill attention and one-call decode")
+        kernels.append("AMX bf16 linear, prefill attention, one-call decode and decode shared prefix")
     else:
         kernels.append("no AMX kernels (needs amx_tile and amx_bf16)")
     if model is None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from aserve import LLM, SamplingParams
 from aserve.envs import read_env
 from aserve.kernels import cpu_decode_attention
-from tests.cpu_marks import needs_amx, needs_avx512_bf16
+from tests.cpu_marks import needs_amx, needs_avx2_fma, needs_avx512_bf16
 
 #: Compiler flags that build the kernel's AVX512-BF16 form of the shared prefix's products
 #: on a CPU that also has AMX (elsewhere they change nothing).
@@ -205,15 +205,20 @@ def _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, dtype, s
     (3, 4, 2, 64, 16, 8),      # 6 rows a KV head: too few to pay for the prefix's products
 ])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("form", ["native", pytest.param("avx512_bf16", marks=needs_avx512_bf16)])
+@pytest.mark.parametrize("form", ["native", pytest.param("avx512_bf16", marks=needs_avx512_bf16),
+                                  pytest.param("avx2", marks=needs_avx2_fma), "portable"])
 def test_shared_prefix_matches_sdpa(attend, form, batch, hq, hk, dim, block_size, prefix_blocks, threads,
                                     set_threads):
     """Rows whose first blocks are the same (``prefix_blocks``): the result is still each
     row's attention over its whole context, new keys and values written first, on every
     CPU (with AMX or AVX512-BF16 the prefix is attended for all rows at once as matrix
-    products, elsewhere row by row). ``avx512_bf16``: that form built without AMX."""
-    if form == "avx512_bf16":
-        attend = cpu_decode_attention.load(NO_AMX)
+    products, elsewhere row by row). ``avx512_bf16``: that form built without AMX;
+    ``avx2`` and ``portable``: the kernel built as for a CPU without AVX-512 (or without
+    AVX2 either), where the prefix is an ordinary part of each row's context."""
+    if form != "native":
+        attend = cpu_decode_attention.load({"avx512_bf16": NO_AMX, "avx2": ("-mno-avx512f",),
+                                            "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}[form])
+        assert attend is not None
     set_threads(threads)
     gen = torch.Generator().manual_seed(batch + prefix_blocks)
     cache, table, seq_lens = _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, torch.bfloat16)

@@ -61,7 +61,9 @@ typedef struct {
     const float *pm, *pl, *pacc;
 } Args;
 
-#if (defined(__AMX_TILE__) && defined(__AMX_BF16__)) || (defined(__AVX512F__) && defined(__AVX512BF16__))
+/* AVX-512 with AMX or AVX512-BF16 (AMX's macros alone are not enough: a build with
+   -mno-avx512f, the AVX2 form tests make on an AVX-512 CPU, keeps them). */
+#if defined(__AVX512F__) && ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__))
 #define ASERVE_DECODE_PREFIX 1
 #include "cpu_decode_prefix.h"
 #endif

@@ -40,7 +40,7 @@
 
 #include "cpu_prefill_common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define PREFIX_TILES 1 /* else AVX512-BF16 (cpu_decode_attention.c includes this file only then) */
 #endif
 

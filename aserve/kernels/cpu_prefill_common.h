@@ -78,7 +78,7 @@ static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t 
 
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 /* The two products of a block of `rows` query rows on AMX tiles (amx_configure_rows(rows)
  * first), for cpu_prefill_attention.c and cpu_decode_prefix.h:
  *   amx_scores:  s[rows x 16 kblocks] (rows `width` floats apart) = Q K^T over the first

@@ -572,18 +572,16 @@ int aserve_decode_attention(const void *q, void *k, void *v, const void *k_new, 
                  q_stride_b, q_stride_h, out_stride_b, out_stride_h,
                  kv_stride_block, kv_stride_token, kv_stride_head, scale, q_bf16, kv_bf16, num_threads,
                  prefix_blocks, 0, NULL, NULL, NULL};
+    float *state = NULL; /* the prefix phase's pm, pl and pacc */
 #ifdef ASERVE_DECODE_PREFIX
-    float *state = NULL;
     if (prefix_blocks > 0 && (state = malloc(sizeof(float) * (size_t)(B * Hq * (D + 2)))) != NULL) {
         args.prefix = prefix_phase(&args, state, state + B * Hq, state + 2 * B * Hq);
         args.pm = state;
         args.pl = state + B * Hq;
         args.pacc = state + 2 * B * Hq;
     }
+#endif
     run_tasks(&args);
     free(state);
-#else
-    run_tasks(&args);
-#endif
     return 0;
 }

@@ -17,7 +17,7 @@
  *   - for each block of up to 16 query rows (row r = sequence r / G, query head
  *     hk * G + r % G, with G query heads per KV head):
  *       S = Q K^T over the T prefix tokens, in float32;
- *       m = max(S) * scale, P = exp(S * scale - m) (cpu_prefill_common.h's exp2_weights),
+ *       m = max(S) * scale, P = exp(S * scale - m) (cpu_prefill_common.h's softmax_row),
  *           l = the sum of P, P rounded to bf16 for the second product, as the prefill
  *           kernel rounds it;
  *       acc = P V, in float32, not divided by l.
@@ -87,7 +87,6 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
     if (a->block_size % 16 == 0) prefix_layout_keys(&ks, T, D, kt);
     else layout_keys(&ks, T, D, kt);
     layout_values(&vs, T, D, vv);
-    const float scale = a->scale;
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
         const int rows = (int)(R - r0 < 16 ? R - r0 : 16);
         for (int i = 0; i < rows; i++) {
@@ -101,21 +100,8 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
         pa_product(qb, D, rows, kt, kblocks, D / 32 * 256, 256, D / 2, s, width);
 #endif
         for (int i = 0; i < rows; i++) { /* softmax numerators, the max and the sum kept */
-            const float *row = s + i * width;
-            uint16_t *prow = p + i * width;
-            const float m = row_max(row, T) * scale;
-            /* e^(s * scale - m) = 2^(s * c - m * log2(e)), c = scale * log2(e) */
-            const __m512 ms = _mm512_set1_ps(m * LOG2E), sc = _mm512_set1_ps(scale * LOG2E);
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t t = 0; t < T; t += 16) {
-                const __m512 e = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms));
-                sum = _mm512_add_ps(sum, e);
-                _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
-            }
-            if (width > T) _mm256_storeu_si256((__m256i *)(prow + T), _mm256_setzero_si256());
             const int64_t at = (r0 + i) / G * a->Hq + hk * G + (r0 + i) % G;
-            pm[at] = m;
-            pl[at] = _mm512_reduce_add_ps(sum);
+            pl[at] = softmax_row(s + i * width, p + i * width, T, 32 * pblocks, a->scale, &pm[at]);
         }
         float o[16 * MAX_D] __attribute__((aligned(64))); /* acc = P V, rows D apart */
 #ifdef PREFIX_TILES

@@ -200,6 +200,33 @@ static inline float row_max(const float *row, int64_t n) {
     return m;
 }
 
+/* One row of softmax numerators: row[0 .. n) (float scores) -> prow (bf16 weights
+ * e^((s - max) * scale), rounded; zeros after them up to `padded`, a multiple of 16).
+ * Returns the sum of the unrounded weights; *m_scaled gets max * scale. */
+static inline float softmax_row(const float *row, uint16_t *prow, int64_t n, int64_t padded, float scale,
+                                float *m_scaled) {
+    const float m = row_max(row, n);
+    *m_scaled = m * scale;
+    /* e^((s - m) * scale) = 2^(s * c - m * c), c = scale * log2(e) */
+    const __m512 ms = _mm512_set1_ps(m * scale * LOG2E), sc = _mm512_set1_ps(scale * LOG2E);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const __m512 e = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms));
+        acc = _mm512_add_ps(acc, e);
+        _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
+    }
+    if (t < n) { /* the last keys, fewer than 16 */
+        const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << (n - t)) - 1),
+                                             exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms)));
+        acc = _mm512_add_ps(acc, e);
+        _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
+        t += 16;
+    }
+    for (; t < padded; t += 16) _mm256_storeu_si256((__m256i *)(prow + t), _mm256_setzero_si256());
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* The softmax of a block of query rows between the two products: s (rows x width
  * floats, the scores of keys 0 .. ctx + q0 + i for row i) -> p (rows x width bf16, the
  * weights rounded, zeros past each row's last key up to 32 * pblocks), and inv_sum (1 / the
@@ -207,28 +234,8 @@ static inline float row_max(const float *row, int64_t n) {
 static void softmax_rows(const float *s, uint16_t *p, int rows, int64_t width, int64_t ctx, int64_t q0,
                          int64_t pblocks, float scale, float *inv_sum) {
     for (int i = 0; i < rows; i++) {
-        const float *row = s + i * width;
-        uint16_t *prow = p + i * width;
-        const int64_t n = ctx + q0 + i + 1;
-        const float m = row_max(row, n);
-        /* e^((s - m) * scale) = 2^(s * c - m * c), c = scale * log2(e) */
-        const __m512 ms = _mm512_set1_ps(m * scale * LOG2E), sc = _mm512_set1_ps(scale * LOG2E);
-        __m512 acc = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= n; t += 16) {
-            const __m512 e = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms));
-            acc = _mm512_add_ps(acc, e);
-            _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
-        }
-        if (t < n) { /* the last keys, fewer than 16 */
-            const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << (n - t)) - 1),
-                                                 exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms)));
-            acc = _mm512_add_ps(acc, e);
-            _mm256_storeu_si256((__m256i *)(prow + t), to_bf16x16(e));
-            t += 16;
-        }
-        for (; t < 32 * pblocks; t += 16) _mm256_storeu_si256((__m256i *)(prow + t), _mm256_setzero_si256());
-        inv_sum[i] = 1.0f / _mm512_reduce_add_ps(acc);
+        float m;
+        inv_sum[i] = 1.0f / softmax_row(s + i * width, p + i * width, ctx + q0 + i + 1, 32 * pblocks, scale, &m);
     }
 }
 

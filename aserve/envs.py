@@ -13,7 +13,8 @@ variable                     meaning                                            
 ``ASERVE_CPU_F32_LINEAR``    ``0``: float32 linear layers on oneDNN and MKL       ``1``
 ``ASERVE_CPU_FUSED_DECODE``  ``0``: decode steps call each layer's kernels apart  ``1``
 ``ASERVE_CPU_DECODE_PREFIX`` ``0``: decode rows attend over a shared prefix one  ``1``
-                             by one, not together on AMX tiles
+                             by one, not together as matrix products (AMX
+                             tiles, or AVX512-BF16 without AMX)
 ``ASERVE_DP_SECRET``         shared secret of a multi-node server's TCP wires     none (``--dp-secret``)
 ``ASERVE_TRITON``            ``auto``: the Triton kernels on a GPU; ``1``: also   ``auto``
                              on CPU tensors (needs ``TRITON_INTERPRET=1``: tests);

@@ -16,8 +16,10 @@ def make_scheduler(*, blocks=64, block_size=4, budget=64, max_seqs=8, max_model_
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs), kv, max_model_len=max_model_len)
 
 
-def add(sched: Scheduler, rid: str, n_prompt: int, *, priority=0, arrival=0.0, **params) -> Request:
-    req = Request(EngineCoreRequest(rid, list(range(10, 10 + n_prompt)), SamplingParams(**params), eos_token_ids=[1],
+def add(sched: Scheduler, rid: str, n_prompt: int, *, priority=0, arrival=0.0, first=10, **params) -> Request:
+    """Request ``rid``: prompt tokens ``first``, ``first`` + 1, ... (the same prompt
+    start hits the prefix cache)."""
+    req = Request(EngineCoreRequest(rid, list(range(first, first + n_prompt)), SamplingParams(**params), eos_token_ids=[1],
                                     arrival_time=arrival, priority=priority), max_model_len=sched.max_model_len)
     sched.add_request(req)
     return req
@@ -47,6 +49,24 @@ def test_running_requests_come_first_and_share_the_budget():
     assert out.num_scheduled_tokens == {"a": 1, "b": 11}
     assert [r.req_id for r in out.new_requests] == ["b"]
     assert [r.req_id for r in out.cached_requests] == ["a"]
+
+
+def test_a_split_prompts_last_chunk_does_not_wait_for_the_next_prompts_first():
+    # Budget 10 beside one decoding request: "a" (12 tokens) is split 9 + 3. The step
+    # of a's last 3 tokens does not start b (12 tokens, 6 would fit): a's first token
+    # would wait for that chunk. b starts in the next step; c (3 tokens, whole) may
+    # join a step like that.
+    sched = make_scheduler(budget=10)
+    add(sched, "d", 2, max_tokens=20)
+    run_step(sched)
+    add(sched, "a", 12, max_tokens=5)
+    add(sched, "b", 12, max_tokens=5, first=100)
+    steps = [run_step(sched)[0].num_scheduled_tokens for _ in range(3)]
+    assert steps == [{"d": 1, "a": 9}, {"d": 1, "a": 3}, {"d": 1, "a": 1, "b": 8}]
+    assert sched.requests["a"].num_output_tokens == 2  # its first token came with its last chunk
+    add(sched, "c", 3, max_tokens=5, first=200)
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"d": 1, "a": 1, "b": 4, "c": 3}
 
 
 def test_max_num_seqs_caps_the_batch():

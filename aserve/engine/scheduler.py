@@ -9,7 +9,11 @@ Each :meth:`Scheduler.schedule` call fills one step under a token budget
    it is recomputed later), repeatedly, until the allocation fits;
 2. then waiting requests by (priority, arrival), each starting from its longest cached
    prefix, while the budget, the cap and the pool allow. Prompts that do not fit the
-   remaining budget are prefilled in chunks.
+   remaining budget are prefilled in chunks, except in a step that holds the last
+   chunk of a prompt split earlier: there a new prompt starts only if it fits whole.
+   Why: a long prompt's short tail would otherwise wait for the next prompt's large
+   first chunk (2,048-token prompts at a 2,048-token budget beside running decodes:
+   each first token one whole prefill later than it need be).
 
 :meth:`Scheduler.update_from_output` appends the sampled tokens and finishes requests
 on EOS, a stop token or their length limit.
@@ -175,6 +179,9 @@ class Scheduler:
         # With pipeline batches, a share of the running requests: the rest go in the
         # batches the other stages will run.
         quota = -(-len(self.running) // self.pipeline_batches)
+        # Whether a prompt whose prefill was split over steps gets its last chunk in this
+        # one: then no new prompt starts a partial chunk here (see the waiting loop).
+        completes_split_prompt = False
         i = 0
         while i < len(self.running) and budget > 0 and len(cached_reqs) < quota:
             request = self.running[i]
@@ -197,6 +204,8 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             budget -= n
             start = request.num_computed_tokens
+            if n > 1 and start + n >= request.num_tokens:
+                completes_split_prompt = True
             cached_reqs.append(CachedRequestData(
                 request.request_id, new_block_ids, start,
                 list(request.all_token_ids[start : start + n]) if self.pipeline_batches > 1 else []))
@@ -211,7 +220,10 @@ class Scheduler:
                 cached_blocks = self.kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.block_size
             n = min(request.num_tokens - num_cached, budget)
-            if n < request.num_tokens - num_cached and not self.config.enable_chunked_prefill:
+            if n < request.num_tokens - num_cached and (completes_split_prompt or not self.config.enable_chunked_prefill):
+                # A split prompt's last chunk would otherwise share its step with this
+                # prompt's first, large one, and its first token would wait for that
+                # chunk too: this prompt starts one (short) step later instead.
                 break
             threshold = self.config.long_prefill_token_threshold
             if threshold is not None:

@@ -91,7 +91,7 @@ def sdpa(q, k, v, scale):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens,hq,hk,d", [
     ([128, 128, 128], 4, 2, 64),      # the 7M model's shape
-    ([1, 15, 16, 17, 33, 70], 4, 4, 64),  # lengths around the 16-row and 32-key blocks
+    ([1, 15, 16, 17, 31, 32, 33, 48, 70], 4, 4, 64),  # lengths around the 16-row and 32-key blocks
     ([40, 9], 8, 1, 32),              # eight query heads on one KV head
     ([57], 8, 2, 128),
     ([300], 2, 2, 256),

@@ -253,6 +253,60 @@ def test_shared_prefix_attended_as_matrix_products(form):
         torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("form", [pytest.param("amx", marks=needs_amx),
+                                  pytest.param("avx512_bf16", marks=needs_avx512_bf16)])
+def test_kept_prefix_layouts_are_read_back_until_their_state_is_zeroed(form):
+    """A prefix slot (PrefixLayouts): the first call lays the prefix out there and sets
+    the state; later calls read it back and give the same bits as laying it out afresh.
+    While the state says 1 the kernel trusts the slot (keys changed under it are not
+    seen: the runner's job, PrefixLayouts.written); zeroed, it lays them out again."""
+    attend = cpu_decode_attention.load(() if form == "amx" else NO_AMX)
+    gen = torch.Generator().manual_seed(5)
+    batch, hq, hk, dim, block_size, prefix_blocks = 12, 8, 2, 64, 16, 6
+    cache, table, seq_lens = _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, torch.bfloat16)
+    q = torch.randn(batch, hq, dim, generator=gen).to(torch.bfloat16)
+    layouts = cpu_decode_attention.PrefixLayouts(1, hk, dim)
+    slot = layouts.for_step(table[0, :prefix_blocks].numpy(), block_size)[0]
+
+    def call(with_slot=True):
+        return attend(q, cache[0], cache[1], table, seq_lens, 0.125, prefix_blocks=prefix_blocks,
+                      prefix_slot=slot if with_slot else None)
+
+    afresh = call(False)
+    assert int(slot[1]) == 0
+    assert torch.equal(call(), afresh) and int(slot[1]) == 1  # laid out into the slot
+    assert torch.equal(call(), afresh)  # read back
+    cache[0, int(table[0, 0])] += 1.0  # the prefix's first block's keys change under the kept layouts
+    changed = call(False)
+    assert not torch.equal(changed, afresh)
+    assert torch.equal(call(), afresh)  # the state still says 1: the old layouts
+    slot[1].zero_()
+    assert torch.equal(call(), changed) and int(slot[1]) == 1
+    with pytest.raises(ValueError, match="prefix_slot"):
+        attend(q, cache[0], cache[1], table, seq_lens, 0.125, prefix_blocks=prefix_blocks,
+               prefix_slot=(slot[0][:100], slot[1]))
+
+
+def test_prefix_layouts_are_dropped_when_the_blocks_change_or_are_written():
+    layouts = cpu_decode_attention.PrefixLayouts(3, 2, 64, max_bytes=3 * 2 * 128 * 64 * 4)
+    blocks = np.array([4, 9, 2, 7, 5, 11, 3, 8])  # 128 tokens of 16
+    slots = layouts.for_step(blocks, 16)
+    assert len(slots) == 3 and all(s[0].numel() == 2 * 128 * 64 * 4 for s in slots)
+    layouts.states.fill_(1)  # as the kernel leaves them
+    layouts.for_step(blocks.copy(), 16)
+    assert layouts.states.tolist() == [1, 1, 1]  # the same blocks: kept
+    layouts.written(np.array([1, 6, 12]))
+    layouts.for_step(blocks, 16)
+    assert layouts.states.tolist() == [1, 1, 1]  # none of them written
+    layouts.written(np.array([1, 7]))  # block 7 written: it was freed and holds other keys now
+    layouts.for_step(blocks, 16)
+    assert layouts.states.tolist() == [0, 0, 0]
+    layouts.states.fill_(1)
+    layouts.for_step(blocks[:6], 16)  # other blocks
+    assert layouts.states.tolist() == [0, 0, 0]
+    assert layouts.for_step(np.arange(1, 10), 16) is None  # 144 tokens: over max_bytes
+
+
 def test_shared_prefix_blocks():
     table = np.array([[4, 7, 9, 1, 0], [4, 7, 9, 2, 3], [4, 7, 9, 5, 6]])
     lens = np.array([60, 80, 70])

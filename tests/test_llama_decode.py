@@ -209,36 +209,51 @@ def test_tensor_parallel_2_same_tokens_and_logprobs(dtype, arch, model_dirs, mon
 def test_rows_sharing_a_prefix_attend_over_it_together(llama_dir, monkeypatch):
     """Ten requests that open with the same 96 tokens, after one that put them in the
     prefix cache: their decode steps hand the shared blocks to the attention kernel
-    (which, with AMX or AVX512-BF16, attends over them for all rows at once), the one-call step and the
-    layer-by-layer path agree bit for bit, and the tokens are the row-by-row attention's
-    (``ASERVE_CPU_DECODE_PREFIX=0``)."""
+    (which, with AMX or AVX512-BF16, attends over them for all rows at once, keeping its
+    layouts of them from step to step), the one-call step and the layer-by-layer path
+    agree bit for bit, with the layouts kept or laid out afresh each step, and the tokens
+    are the row-by-row attention's (``ASERVE_CPU_DECODE_PREFIX=0``)."""
     prefix = list(range(3, 99))
     prompts = [prefix + [100 + i, 7 * i % 50 + 1] for i in range(10)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 
-    def run(env: dict[str, str]) -> tuple[list, list[int]]:
+    def run(env: dict[str, str], keep_layouts: bool = True) -> tuple[list, list[int], list[bool], bool]:
+        """(outputs, each step's prefix blocks, whether each step found its layouts kept,
+        whether this CPU runs the prefix phase)."""
         for var in ("ASERVE_CPU_FUSED_DECODE", "ASERVE_CPU_DECODE_PREFIX"):
             monkeypatch.setenv(var, env.get(var, "1"))
         llm = LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 24)
         runner = llm.engine.executor.worker.runner
+        if runner.prefix_layouts is not None and not keep_layouts:
+            runner.prefix_layouts.max_bytes = 0
         seen: list[int] = []
+        kept: list[bool] = []
+
+        def note(blocks: int, slot) -> None:
+            seen.append(blocks)
+            kept.append(slot is not None and int(slot[1]) == 1)
+
         stack = runner.model.model.decode_stack
         if stack is not None:
             run_stack = stack.run
-            monkeypatch.setattr(stack, "run", lambda *a: seen.append(a[6]) or run_stack(*a))
+            monkeypatch.setattr(stack, "run", lambda *a: note(a[6], a[7][0] if a[7] else None) or run_stack(*a))
         else:
             kernel = runner.decode_kernel
-            runner.decode_kernel = lambda *a, prefix_blocks=0: seen.append(prefix_blocks) or kernel(*a, prefix_blocks=prefix_blocks)
+            runner.decode_kernel = lambda *a, prefix_blocks=0, prefix_slot=None: note(prefix_blocks, prefix_slot) or kernel(
+                *a, prefix_blocks=prefix_blocks, prefix_slot=prefix_slot)
         llm.generate([prefix + [1]], SamplingParams(temperature=0, max_tokens=1))
         outs = llm.generate(prompts, params)
-        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                for o in outs], seen
+        return ([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                 for o in outs], seen, kept, runner.decode_prefix)
 
-    fused, seen = run({})
+    fused, seen, kept, prefix_phase = run({})
     assert max(seen) == 96 // 16  # the cached prefix's six blocks, every row's
-    layers, seen = run({"ASERVE_CPU_FUSED_DECODE": "0"})
-    assert layers == fused and max(seen) == 6
-    by_rows, seen = run({"ASERVE_CPU_DECODE_PREFIX": "0"})
+    assert any(kept) == prefix_phase  # later steps read the layouts an earlier one made
+    layers, seen, kept, _ = run({"ASERVE_CPU_FUSED_DECODE": "0"})
+    assert layers == fused and max(seen) == 6 and any(kept) == prefix_phase
+    afresh, seen, kept, _ = run({}, keep_layouts=False)
+    assert afresh == fused and max(seen) == 6 and not any(kept)
+    by_rows, seen, _, _ = run({"ASERVE_CPU_DECODE_PREFIX": "0"})
     assert set(seen) == {0}
     for (tokens, got), (want_tokens, want) in zip(fused, by_rows):
         same = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), len(tokens))

@@ -35,7 +35,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from aserve.kernels.cpu_decode_attention import DecodeAttention
+from aserve.kernels.cpu_decode_attention import DecodeAttention, PrefixSlot
 from aserve.kernels.cpu_prefill_attention import PrefillAttention
 from aserve.kernels.cpu_prefill_attention import supports as prefill_kernel_supports
 
@@ -116,6 +116,9 @@ class LayerKV:
     paged: torch.Tensor  # [2, num_blocks, block_size, Hk, D]
     staged_keys: torch.Tensor | None = None  # [rows, Hk, max_len, D]
     staged_values: torch.Tensor | None = None
+    # This step's slot for the C kernel's kept prefix layouts (PrefixLayouts), set by
+    # the runner for a step whose decode rows share a prefix; else None.
+    prefix_slot: PrefixSlot | None = None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -240,7 +243,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_k
     if meta.decode_kernel is not None:
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
         return meta.decode_kernel(q, kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale,
-                                  k, v, prefix_blocks=meta.decode_prefix_blocks)
+                                  k, v, prefix_blocks=meta.decode_prefix_blocks, prefix_slot=layer_kv.prefix_slot)
     if meta.decode_rows is not None:
         assert layer_kv.staged_keys is not None and layer_kv.staged_values is not None
         staged_k, staged_v = layer_kv.staged_keys, layer_kv.staged_values

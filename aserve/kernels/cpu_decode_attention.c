@@ -59,6 +59,13 @@ typedef struct {
        is 0. */
     int64_t prefix_blocks, prefix;
     const float *pm, *pl, *pacc;
+    /* Where the prefix phase keeps its K and V layouts from one call to the next (or
+       NULL: it lays them out in scratch each call), and their state: *prefix_state is 1
+       when prefix_layout holds the layouts of these prefix blocks (the phase then skips
+       laying them out), 0 when not (it lays them out there and sets it). The caller
+       zeroes it when the blocks change or are written (cpu_decode_prefix.h). */
+    void *prefix_layout;
+    int32_t *prefix_state;
 } Args;
 
 /* AVX-512 with AMX or AVX512-BF16 (AMX's macros alone are not enough: a build with
@@ -564,7 +571,7 @@ int aserve_decode_attention(const void *q, void *k, void *v, const void *k_new, 
                             int64_t v_new_stride_b, int64_t v_new_stride_h, void *out,
                             const int64_t *block_table, const int64_t *seq_lens,
                             int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, int64_t max_blocks,
-                            int64_t prefix_blocks,
+                            int64_t prefix_blocks, void *prefix_layout, int32_t *prefix_state,
                             int64_t q_stride_b, int64_t q_stride_h, int64_t out_stride_b, int64_t out_stride_h,
                             int64_t kv_stride_block, int64_t kv_stride_token, int64_t kv_stride_head,
                             float scale, int q_bf16, int kv_bf16, int num_threads) {
@@ -575,7 +582,7 @@ int aserve_decode_attention(const void *q, void *k, void *v, const void *k_new, 
                  out, block_table, seq_lens, B, Hq, Hk, D, block_size, max_blocks,
                  q_stride_b, q_stride_h, out_stride_b, out_stride_h,
                  kv_stride_block, kv_stride_token, kv_stride_head, scale, q_bf16, kv_bf16, num_threads,
-                 prefix_blocks, 0, NULL, NULL, NULL};
+                 prefix_blocks, 0, NULL, NULL, NULL, prefix_layout, prefix_state};
     float *state = NULL; /* the prefix phase's pm, pl and pacc */
 #ifdef ASERVE_DECODE_PREFIX
     if (prefix_blocks > 0 && (state = malloc(sizeof(float) * (size_t)(B * Hq * (D + 2)))) != NULL) {

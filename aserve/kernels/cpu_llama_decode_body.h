@@ -37,6 +37,10 @@ typedef struct {
     const int64_t *seq_lens;    /* [B], the new token included */
     int64_t B, max_blocks;
     int64_t prefix_blocks; /* leading blocks of block_table shared by every row (decode attention's prefix) */
+    /* Per layer (or NULL): where decode attention keeps the prefix's layouts between
+       steps, and their states (cpu_decode_attention.c's Args.prefix_layout). */
+    void *const *prefix_layouts;
+    int32_t *const *prefix_states;
     int num_threads;
 } Step;
 
@@ -82,7 +86,9 @@ static int attention_half(const LayerWeights *layers, int64_t i, const Dims *d, 
     const ELEM *k_new = s->qkv + q_size, *v_new = s->qkv + q_size + d->Hk * d->D;
     rc = aserve_decode_attention(s->qkv, w->k_cache, w->v_cache, k_new, v_new, d->qkv_width, d->D, d->qkv_width, d->D,
                                  s->attn, s->block_table, s->seq_lens, B, d->Hq, d->Hk, d->D, d->block_size,
-                                 s->max_blocks, s->prefix_blocks, d->qkv_width, d->D, q_size, d->D, d->kv_stride_block,
+                                 s->max_blocks, s->prefix_blocks, s->prefix_layouts ? s->prefix_layouts[i] : NULL,
+                                 s->prefix_states ? s->prefix_states[i] : NULL, d->qkv_width, d->D, q_size, d->D,
+                                 d->kv_stride_block,
                                  d->kv_stride_token, d->kv_stride_head, d->scale, IS_BF16, (int)d->kv_bf16, nt);
     if (rc) return rc;
     return linear(d, s->attn, q_size, w->w_o, s->o, d->o_width, B, d->o_width, q_size, nt);

@@ -26,7 +26,7 @@ this CPU (:func:`aserve.kernels.f32_linear.cpu_supported`), or the same switches
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from aserve.envs import read_env
 from aserve.kernels.amx_linear import load_amx_library
 from aserve.kernels.bf16_linear import load_library_checked as load_bf16_library
 from aserve.kernels.cbuild import build_ahead, load_library
+from aserve.kernels.cpu_decode_attention import PrefixSlot
 from aserve.kernels.f32_linear import cpu_supported as f32_cpu_supported
 
 _SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
@@ -62,7 +63,7 @@ class _Step(ctypes.Structure):
                 ("x_in", "x", "residual", "h", "qkv", "attn", "o", "gate_up", "act", "cos", "sin",
                  "block_table", "seq_lens")] + [
         ("B", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("prefix_blocks", ctypes.c_int64),
-        ("num_threads", ctypes.c_int)]
+        ("prefix_layouts", ctypes.c_void_p), ("prefix_states", ctypes.c_void_p), ("num_threads", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,8 @@ class DecodeStack:
         self._c_layers, self._kv_key = arr, key
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-            block_table: torch.Tensor, seq_lens: torch.Tensor, prefix_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            block_table: torch.Tensor, seq_lens: torch.Tensor, prefix_blocks: int = 0,
+            prefix_slots: Sequence[PrefixSlot | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer for ``x`` ([B, hidden] embeddings in the stack's dtype, one decode
         token per row):
         ``(last layer's output, residual)``, views of scratch memory that the next call
@@ -153,8 +155,10 @@ class DecodeStack:
         int64 [B, max_blocks] contiguous; ``seq_lens``: int64 [B], the new token
         included; ``prefix_blocks``: leading columns of ``block_table`` that are the same
         in every row, each row's context reaching past them (decode attention's shared
-        prefix, :func:`aserve.kernels.cpu_decode_attention.shared_prefix_blocks`).
-        Writes this step's keys and values into ``kv_caches``."""
+        prefix, :func:`aserve.kernels.cpu_decode_attention.shared_prefix_blocks`);
+        ``prefix_slots``: per layer, where decode attention keeps that prefix's layouts
+        between steps (:class:`aserve.kernels.cpu_decode_attention.PrefixLayouts`), or
+        None. Writes this step's keys and values into ``kv_caches``."""
         self._bind_kv(kv_caches)
         d = self.dims
         rows = x.shape[0]
@@ -168,8 +172,18 @@ class DecodeStack:
         for span in spans:
             offsets.append(base + elem * at)
             at += span
+        layouts = states = None
+        if prefix_blocks and prefix_slots is not None and all(slot is not None for slot in prefix_slots):
+            n = len(prefix_slots)
+            need = d.num_kv_heads * -(-prefix_blocks * kv_caches[0].shape[2] // 32) * 32 * d.head_dim * 4
+            if n != len(self._layers) or any(slot[0].numel() < need or slot[1].numel() != 1 for slot in prefix_slots):
+                raise ValueError(f"prefix_slots: one per layer, each buffer at least {need} bytes")
+            layouts = (ctypes.c_void_p * n)(*(slot[0].data_ptr() for slot in prefix_slots))
+            states = (ctypes.c_void_p * n)(*(slot[1].data_ptr() for slot in prefix_slots))
         step = _Step(x.data_ptr(), *offsets, cos.data_ptr(), sin.data_ptr(), block_table.data_ptr(),
-                     seq_lens.data_ptr(), rows, block_table.shape[1], prefix_blocks, torch.get_num_threads())
+                     seq_lens.data_ptr(), rows, block_table.shape[1], prefix_blocks,
+                     ctypes.cast(layouts, ctypes.c_void_p) if layouts is not None else None,
+                     ctypes.cast(states, ctypes.c_void_p) if states is not None else None, torch.get_num_threads())
         dims_ref, step_ref = ctypes.byref(self._c_dims), ctypes.byref(step)
         if self._all_reduce is None:
             rc = self._fn(self._c_layers, len(self._layers), dims_ref, step_ref)

@@ -27,7 +27,7 @@ import torch
 from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, gather_numel
 from aserve.kernels.cpu_decode_attention import DecodeAttention
 from aserve.kernels.cpu_decode_attention import load as load_decode_kernel
-from aserve.kernels.cpu_decode_attention import prefix_supported, shared_prefix_blocks
+from aserve.kernels.cpu_decode_attention import PrefixLayouts, prefix_supported, shared_prefix_blocks
 from aserve.kernels.cpu_prefill_attention import PrefillAttention
 from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.kernels.token_mask import TokenMaskKernel
@@ -108,6 +108,8 @@ class ModelRunner:
         # Whether that kernel attends over a prefix all decode rows share for all of them
         # at once (bf16 on AMX or AVX512-BF16): then each step finds that prefix's blocks.
         self.decode_prefix = False
+        # The prefix phase's layouts kept between steps (set with decode_prefix).
+        self.prefix_layouts: PrefixLayouts | None = None
         # Prefill chunks: the C kernel of the model's dtype (bf16: AMX or AVX512-BF16;
         # float32: AVX-512F or AVX2 + FMA) when the cache has that dtype too, else SDPA.
         self.prefill_kernel: PrefillAttention | None = None
@@ -150,6 +152,7 @@ class ModelRunner:
         if dtype in kernel_dtypes and model_dtype in kernel_dtypes:  # the pool is host memory: the CPU kernel applies
             self.decode_kernel = load_decode_kernel()
             self.decode_prefix = self.decode_kernel is not None and prefix_supported(dtype, model_dtype)
+            self.prefix_layouts = PrefixLayouts(num_layers, num_kv_heads, head_dim) if self.decode_prefix else None
         if dtype == model_dtype and dtype in kernel_dtypes:  # each kernel reads a cache of its own dtype
             self.prefill_kernel = load_prefill_kernel(dtype)
         if self.use_decode_staging and self.decode_kernel is None:
@@ -186,6 +189,8 @@ class ModelRunner:
         if self.on_cpu:
             if self._kv_mapping is not None:
                 self._kv_mapping.madvise(mmap.MADV_DONTNEED)
+            if self.prefix_layouts is not None:
+                self.prefix_layouts.release()
             return
         if self.kv_caches:
             first = self.kv_caches[0].paged
@@ -271,6 +276,8 @@ class ModelRunner:
         pos_t = _long_tensor(positions)
         row_t = _long_tensor(row_of_token)
         slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
+        if self.prefix_layouts is not None:
+            self.prefix_layouts.written(np.unique(slot_mapping.numpy() // bs))
 
         decode_table = decode_mask = decode_rows = decode_write_index = seq_lens = None
         prefix_blocks = 0  # leading blocks every decode row shares (the C kernel's shared prefix)
@@ -298,6 +305,10 @@ class ModelRunner:
             if int(seq_lens.min()) < length:
                 masked = torch.arange(length).unsqueeze(0) >= seq_lens.unsqueeze(1)  # [Nd, L]
                 decode_mask = torch.zeros(masked.shape, dtype=self.model_dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
+        if self.prefix_layouts is not None:  # this step's slots for the prefix's kept layouts
+            slots = self.prefix_layouts.for_step(table[0, :prefix_blocks], bs) if prefix_blocks else None
+            for i, layer in enumerate(self.kv_caches):
+                layer.prefix_slot = None if slots is None else slots[i]
         input_t = _long_tensor(input_ids)
         if not self.on_cpu:
             # Everything the forward pass indexes with goes to the device once, here.

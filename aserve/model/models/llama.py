@@ -356,7 +356,7 @@ class LlamaModel(nn.Module):
                 assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
                 x, residual = self.decode_stack.run(x, rope[0], rope[1], [kv.paged for kv in kv_caches],
                                                     meta.decode_block_table, meta.decode_seq_lens,
-                                                    meta.decode_prefix_blocks)
+                                                    meta.decode_prefix_blocks, [kv.prefix_slot for kv in kv_caches])
                 return self.norm(x, residual)[0]
         else:
             assert intermediate is not None

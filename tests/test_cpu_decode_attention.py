@@ -295,10 +295,10 @@ def test_prefix_layouts_are_dropped_when_the_blocks_change_or_are_written():
     layouts.states.fill_(1)  # as the kernel leaves them
     layouts.for_step(blocks.copy(), 16)
     assert layouts.states.tolist() == [1, 1, 1]  # the same blocks: kept
-    layouts.written(np.array([1, 6, 12]))
+    layouts.written(np.array([16, 100, 199]), 16)  # slots in blocks 1, 6 and 12
     layouts.for_step(blocks, 16)
     assert layouts.states.tolist() == [1, 1, 1]  # none of them written
-    layouts.written(np.array([1, 7]))  # block 7 written: it was freed and holds other keys now
+    layouts.written(np.array([17, 115]), 16)  # block 7 written: it was freed and holds other keys now
     layouts.for_step(blocks, 16)
     assert layouts.states.tolist() == [0, 0, 0]
     layouts.states.fill_(1)

@@ -56,6 +56,12 @@ def prefix_supported(cache_dtype: torch.dtype, model_dtype: torch.dtype, flags: 
             and (env.cpu_amx if amx else avx512_bf16))
 
 
+def prefix_layout_bytes(tokens: int, num_kv_heads: int, head_dim: int) -> int:
+    """One layer's prefix layouts (``cpu_decode_prefix.h``'s ``prefix_layout_bytes`` for
+    each KV head): K and V, ``tokens`` rounded up to 32 by ``head_dim``, bf16."""
+    return num_kv_heads * -(-tokens // 32) * 32 * head_dim * 4
+
+
 class PrefixLayouts:
     """Decode attention's shared-prefix layouts kept from one step to the next, a
     buffer per layer (the kernel's ``prefix_layout``, ``cpu_decode_prefix.h``).
@@ -79,15 +85,10 @@ class PrefixLayouts:
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._blocks: np.ndarray | None = None  # the prefix blocks the layouts are (to be) of
 
-    def layer_bytes(self, tokens: int) -> int:
-        """One layer's layouts of a ``tokens``-token prefix: K and V of each KV head,
-        ``tokens`` rounded up to 32 by head_dim, bf16 (``prefix_layout_bytes``)."""
-        return self.num_kv_heads * -(-tokens // 32) * 32 * self.head_dim * 4
-
     def for_step(self, prefix_block_ids: np.ndarray, block_size: int) -> list[PrefixSlot] | None:
         """Each layer's slot for a step whose decode rows share ``prefix_block_ids``, or
         None when those layouts would take more than ``max_bytes``."""
-        per_layer = self.layer_bytes(len(prefix_block_ids) * block_size)
+        per_layer = prefix_layout_bytes(len(prefix_block_ids) * block_size, self.num_kv_heads, self.head_dim)
         if per_layer * self.num_layers > self.max_bytes:
             self._blocks = None
             return None
@@ -99,9 +100,10 @@ class PrefixLayouts:
         return [(self._buffer[i * per_layer : (i + 1) * per_layer], self.states[i : i + 1])
                 for i in range(self.num_layers)]
 
-    def written(self, block_ids: np.ndarray) -> None:
-        """A step writes keys and values into ``block_ids``: layouts of any of them are stale."""
-        if self._blocks is not None and np.isin(self._blocks, block_ids).any():
+    def written(self, slots: np.ndarray, block_size: int) -> None:
+        """A step writes keys and values into cache ``slots`` (block id x block_size +
+        offset): layouts of any of their blocks are stale."""
+        if self._blocks is not None and np.isin(self._blocks, slots // block_size).any():
             self._blocks = None
 
     def release(self) -> None:
@@ -149,7 +151,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
     and cache, the kernel attends over them for all rows at once as matrix products
     (``cpu_decode_prefix.h``), where it pays; elsewhere it changes nothing.
     ``prefix_slot``: where that phase keeps its layouts of the prefix between calls (a
-    :class:`PrefixLayouts` slot: the buffer, at least ``layer_bytes`` long, and its
+    :class:`PrefixLayouts` slot: the buffer, at least :func:`prefix_layout_bytes` long, and its
     state, which the kernel sets to 1 once the buffer holds these blocks' layouts and
     then trusts; the caller zeroes it when the blocks change), or None.
     ``extra_flags``: more compiler flags (tests build the AVX512-BF16 form on an AMX CPU
@@ -195,7 +197,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
         _, block_size, hk, _ = keys.shape
         if prefix_slot is not None:
             layout, state = prefix_slot
-            need = hk * -(-prefix_blocks * block_size // 32) * 32 * dim * 4
+            need = prefix_layout_bytes(prefix_blocks * block_size, hk, dim)
             if (layout.dtype != torch.uint8 or not layout.is_contiguous() or layout.numel() < need
                     or state.dtype != torch.int32 or state.numel() != 1):
                 raise ValueError(f"prefix_slot must be a contiguous uint8 buffer of at least {need} bytes and a "

@@ -36,7 +36,7 @@ from aserve.envs import read_env
 from aserve.kernels.amx_linear import load_amx_library
 from aserve.kernels.bf16_linear import load_library_checked as load_bf16_library
 from aserve.kernels.cbuild import build_ahead, load_library
-from aserve.kernels.cpu_decode_attention import PrefixSlot
+from aserve.kernels.cpu_decode_attention import PrefixSlot, prefix_layout_bytes
 from aserve.kernels.f32_linear import cpu_supported as f32_cpu_supported
 
 _SOURCE = Path(__file__).with_name("cpu_llama_decode.c")
@@ -175,7 +175,7 @@ class DecodeStack:
         layouts = states = None
         if prefix_blocks and prefix_slots is not None and all(slot is not None for slot in prefix_slots):
             n = len(prefix_slots)
-            need = d.num_kv_heads * -(-prefix_blocks * kv_caches[0].shape[2] // 32) * 32 * d.head_dim * 4
+            need = prefix_layout_bytes(prefix_blocks * kv_caches[0].shape[2], d.num_kv_heads, d.head_dim)
             if n != len(self._layers) or any(slot[0].numel() < need or slot[1].numel() != 1 for slot in prefix_slots):
                 raise ValueError(f"prefix_slots: one per layer, each buffer at least {need} bytes")
             layouts = (ctypes.c_void_p * n)(*(slot[0].data_ptr() for slot in prefix_slots))

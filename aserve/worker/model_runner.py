@@ -277,7 +277,7 @@ class ModelRunner:
         row_t = _long_tensor(row_of_token)
         slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
         if self.prefix_layouts is not None:
-            self.prefix_layouts.written(np.unique(slot_mapping.numpy() // bs))
+            self.prefix_layouts.written(slot_mapping.numpy(), bs)
 
         decode_table = decode_mask = decode_rows = decode_write_index = seq_lens = None
         prefix_blocks = 0  # leading blocks every decode row shares (the C kernel's shared prefix)

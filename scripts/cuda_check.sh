@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path's checks, for a machine with a GPU: the GPU tests of
-# tests/test_cuda.py and the device choice of tests/test_devices.py, plus NCCL on its own.
+# tests/test_cuda.py, the Triton kernels compiled (tests/test_triton_kernels.py on CUDA
+# tensors) and the device choice of tests/test_devices.py, plus NCCL on its own.
 #
 # Run from the repository root. Where aserve's dependencies are not installed (the lent
 # GPU machine has torch, transformers and pytest but not msgspec, pyzmq, trio, ...),
@@ -69,7 +70,8 @@ timeout 240 $PY "$OUT/nccl_probe.py" 2>&1 | grep -v "^\s*$" | tail -20 | tee "$O
 
 # -W default: warnings are shown, not errors, so that a warning of this machine's torch
 # build does not hide what the tests found.
-timeout 900 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_devices.py tests/test_cuda.py 2>&1 \
+timeout 300 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_devices.py tests/test_cuda.py \
+    tests/test_triton_kernels.py 2>&1 \
     | tee "$OUT/pytest.txt"
 status=${PIPESTATUS[0]}
 
@@ -77,7 +79,7 @@ status=${PIPESTATUS[0]}
 # device="auto" resolves to CUDA, so they run on the GPU. TP = 2 is left out (NCCL needs
 # two GPUs; the gloo form is in tests/test_cuda.py), and so is the test of the CPU's
 # shared-memory communicator.
-timeout 600 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_hf_parity.py tests/test_sampling.py \
+timeout 200 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_hf_parity.py tests/test_sampling.py \
     -k "not tensor_parallel and not tp_comms" 2>&1 | tee "$OUT/pytest-auto.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
@@ -86,7 +88,7 @@ timeout 600 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_hf_pa
 # the graphs' tokens against the eager ones, and the 152M model served at 32 streams.
 # One "CHECK" line per figure.
 if [ "${SKIP_SPEED:-0}" != 1 ]; then
-    timeout 420 $PY scripts/cuda_bench.py --models 152m,1b --batches 1,32 --serve --out "$OUT" 2>&1 \
+    timeout 300 $PY scripts/cuda_bench.py --models 152m,1b --batches 1,32 --serve --out "$OUT" 2>&1 \
         | tee "$OUT/speed.txt" | grep "^CHECK"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

@@ -4,10 +4,15 @@ import os
 import time
 from pathlib import Path
 
+from aserve.devices import cuda_device_count  # noqa: E402  (imports no triton)
+
 # Triton's interpreter must be chosen before triton is first imported (PLATFORM-NOTES):
-# the Triton kernels' tests run on CPU tensors through it. Nothing else imports triton
-# unless ASERVE_TRITON=1 asks for it.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# without a GPU the Triton kernels' tests run on CPU tensors through it. With one they are
+# compiled, as they serve: the interpreter would also reach the workers (they inherit the
+# environment), and it neither checks what the compiler refuses nor runs at a GPU's speed.
+# Nothing else imports triton unless ASERVE_TRITON=1 asks for it.
+if cuda_device_count() == 0:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

@@ -1,6 +1,7 @@
 """The Triton kernels (aserve/kernels/triton_attention.py, triton_ops.py) against their
-plain-torch twins, in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set in
-conftest.py), in float32 and float16 (the interpreter's bf16 arithmetic is wrong), on
+plain-torch twins: without a GPU in Triton's interpreter on CPU tensors
+(``TRITON_INTERPRET=1``, set in conftest.py), in float32 and float16 (the interpreter's
+bf16 arithmetic is wrong); with one compiled, on CUDA tensors, in bf16 too. On
 tiny shapes: GQA and MQA, sliding windows, soft-capping, contexts split over several
 programs, block tables in no order and padded; and a whole tiny model stepped through them
 giving the plain path's tokens."""
@@ -8,6 +9,7 @@ giving the plain path's tokens."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -20,12 +22,21 @@ from aserve.kernels import triton_attention as tk  # noqa: E402
 from aserve.kernels.attention import write_kv  # noqa: E402
 from aserve.kernels.triton_ops import TritonOps  # noqa: E402
 
-DTYPES = [torch.float32, torch.float16]
+# Where the kernels run: the interpreter takes CPU tensors, compiled kernels CUDA ones.
+# Inputs are made on the CPU (one generator, the same values on both) and moved there.
+DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 BS = 16
 
 
 def tol(dtype: torch.dtype) -> dict:
+    if dtype == torch.bfloat16:
+        return dict(atol=2e-2, rtol=2e-2)
     return dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
+
+
+def dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEVICE) for t in tensors]
 
 
 def paged(num_blocks: int, hk: int, d: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -57,7 +68,9 @@ def test_the_store_writes_what_write_kv_writes(dtype):
     twin = cache.clone()
     k, v = torch.randn(9, 2, 32, generator=g), torch.randn(9, 2, 32, generator=g)
     slots = torch.tensor([17, 18, 95, 3, -1, 41, 42, 64, -1])  # -1: padding rows, stored nowhere
-    tk.store_kv(cache, k, v, slots)
+    on = dev(cache, k, v, slots)
+    tk.store_kv(*on)
+    cache = on[0].cpu()
     real = slots >= 0
     write_kv(twin, k[real], v[real], slots[real])
     assert torch.equal(cache, twin)
@@ -82,7 +95,8 @@ def test_decode_attention_from_the_block_table(dtype, hq, hk, window, softcap):
         table[row, : len(ids)] = torch.tensor(ids)
     q = torch.randn(4, hq, d, generator=g).to(dtype)
     scale = 1 / math.sqrt(d)
-    got = tk.decode_attention(q, cache, table, seq_lens, scale, window=window, softcap=softcap, blocks_per_split=2)
+    got = tk.decode_attention(*dev(q, cache, table, seq_lens), scale, window=window, softcap=softcap,
+                              blocks_per_split=2).cpu()
     for row in range(4):
         n = int(seq_lens[row])
         blocks = torch.tensor(tables[row])
@@ -110,10 +124,11 @@ def test_prefill_attention_over_cached_context_and_the_chunk(dtype, hq, hk, wind
     table = torch.zeros(len(chunks), 5, dtype=torch.int64)
     for row, (_, _, ids) in enumerate(chunks):
         table[row, : len(ids)] = torch.tensor(ids)
-    out = torch.zeros_like(q)
+    q_on, cache_on, table_on, out_on = dev(q, cache, table, torch.zeros_like(q))
     scale = 0.3
-    tk.prefill_attention(q, cache, out, starts, [n for _, n, _ in chunks], [c for c, _, _ in chunks], table, scale,
-                         window=window, softcap=softcap)
+    tk.prefill_attention(q_on, cache_on, out_on, starts, [n for _, n, _ in chunks], [c for c, _, _ in chunks],
+                         table_on, scale, window=window, softcap=softcap)
+    out = out_on.cpu()
     for (ctx, n, ids), start in zip(chunks, starts):
         blocks = torch.tensor(ids)
         keys = cache[0][blocks].reshape(-1, hk, d)[: ctx + n]
@@ -124,27 +139,28 @@ def test_prefill_attention_over_cached_context_and_the_chunk(dtype, hq, hk, wind
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_element_wise_kernels_match_torch(dtype):
-    ops = TritonOps(interpret=True)
+    ops = TritonOps(interpret=DEVICE.type == "cpu")
     g = torch.Generator().manual_seed(3)
     x, res = torch.randn(5, 48, generator=g).to(dtype), torch.randn(5, 48, generator=g).to(dtype)
     w = (torch.rand(48, generator=g) + 0.5).to(dtype)
-    out, new_res = ops.rms_norm(x, w, 1e-6, res)
+    out, new_res = (t.cpu() for t in ops.rms_norm(*dev(x, w), 1e-6, *dev(res)))
     summed = (x.float() + res.float()).to(dtype)
     assert torch.equal(new_res, summed)
     want = torch.rms_norm(summed.float(), (48,), w.float(), 1e-6)
     assert torch.allclose(out.float(), want, **tol(dtype))
-    assert torch.allclose(ops.rms_norm(x, w, 1e-6)[0].float(), torch.rms_norm(x.float(), (48,), w.float(), 1e-6),
+    assert torch.allclose(ops.rms_norm(*dev(x, w), 1e-6)[0].cpu().float(), torch.rms_norm(x.float(), (48,), w.float(), 1e-6),
                           **tol(dtype))
     gate_up = torch.randn(3, 2 * 40, generator=g).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
-    assert torch.allclose(ops.silu_mul(gate_up).float(), F.silu(gate) * up, **tol(dtype))
-    assert torch.allclose(ops.gelu_tanh_mul(gate_up).float(), F.gelu(gate, approximate="tanh") * up, **tol(dtype))
+    assert torch.allclose(ops.silu_mul(*dev(gate_up)).cpu().float(), F.silu(gate) * up, **tol(dtype))
+    assert torch.allclose(ops.gelu_tanh_mul(*dev(gate_up)).cpu().float(), F.gelu(gate, approximate="tanh") * up,
+                          **tol(dtype))
     q = torch.randn(6, 3, 16, generator=g).to(dtype)
     angles = torch.randn(6, 8, generator=g)
     cos, sin = angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
     x1, x2 = q.float().chunk(2, dim=-1)
     want = torch.cat([x1 * cos.float() - x2 * sin.float(), x2 * cos.float() + x1 * sin.float()], dim=-1)
-    assert torch.allclose(ops.rotary_(q.clone(), cos, sin).float(), want, **tol(dtype))
+    assert torch.allclose(ops.rotary_(*dev(q, cos, sin)).cpu().float(), want, **tol(dtype))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
@@ -155,6 +171,7 @@ def test_a_tiny_model_stepped_through_the_triton_kernels_gives_the_plain_tokens(
     prompts.append(prompts[1][:20] + [4, 5])  # shares two blocks with the second prompt
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     kwargs = dict(dtype="float32", kv_cache_memory=1 << 22, block_size=16, max_num_batched_tokens=24)
+    monkeypatch.setenv("ASERVE_TRITON", "0")  # on a GPU the kernels would serve by default
     with LLM(str(model_dirs[arch]), **kwargs) as plain:
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     monkeypatch.setenv("ASERVE_TRITON", "1")

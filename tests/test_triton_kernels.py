@@ -39,8 +39,8 @@ def dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(DEVICE) for t in tensors]
 
 
-def paged(num_blocks: int, hk: int, d: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(2, num_blocks, BS, hk, d, generator=g).to(dtype)
+def paged(num_blocks: int, hk: int, d: int, dtype: torch.dtype, g: torch.Generator, bs: int = BS) -> torch.Tensor:
+    return torch.randn(2, num_blocks, bs, hk, d, generator=g).to(dtype)
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos: torch.Tensor, scale: float,
@@ -109,19 +109,28 @@ def test_decode_attention_from_the_block_table(dtype, hq, hk, window, softcap):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq, hk", [(4, 2), (2, 1)], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("window, softcap", [(None, None), (11, None), (None, 2.5)], ids=["plain", "window", "softcap"])
-def test_prefill_attention_over_cached_context_and_the_chunk(dtype, hq, hk, window, softcap):
+@pytest.mark.parametrize("bs, d", [(16, 16), (4, 8)], ids=["bs16", "bs4-d8"])
+def test_prefill_attention_over_cached_context_and_the_chunk(dtype, hq, hk, window, softcap, bs, d):
+    """Blocks of 4 tokens and heads of 8 dims are smaller than a compiled ``tl.dot``
+    takes (16): the kernel reads several blocks an iteration and pads the head."""
     g = torch.Generator().manual_seed(7)
-    d = 16
-    cache = paged(16, hk, d, dtype, g)
-    # (context already cached, chunk length, blocks): a fresh prompt, a chunk after a
-    # prefix hit, a later chunk of a long prompt.
-    chunks = [(0, 21, [9, 2]), (19, 7, [3, 14]), (40, 30, [1, 5, 7, 12, 6])]
+    # (context already cached, chunk length): a fresh prompt, a chunk after a prefix
+    # hit, a later chunk of a long prompt; each chunk's blocks are taken from the pool in
+    # no order.
+    sizes = [(0, 21), (19, 7), (40, 30)]
+    needed = [-(-(ctx + n) // bs) for ctx, n in sizes]
+    order = torch.randperm(sum(needed) + 2, generator=g)[:sum(needed)].tolist()
+    chunks, used = [], 0
+    for (ctx, n), k in zip(sizes, needed):
+        chunks.append((ctx, n, order[used : used + k]))
+        used += k
+    cache = paged(sum(needed) + 2, hk, d, dtype, g, bs)
     starts, total = [], 0
     for _, n, _ in chunks:
         starts.append(total)
         total += n
     q = torch.randn(total, hq, d, generator=g).to(dtype)
-    table = torch.zeros(len(chunks), 5, dtype=torch.int64)
+    table = torch.zeros(len(chunks), max(needed) + 1, dtype=torch.int64)
     for row, (_, _, ids) in enumerate(chunks):
         table[row, : len(ids)] = torch.tensor(ids)
     q_on, cache_on, table_on, out_on = dev(q, cache, table, torch.zeros_like(q))

@@ -50,7 +50,12 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                              ctx_ptr="*i64", out_ptr=p, scale="fp32", window="i32", softcap="fp32", stride_qt="i32",
                              stride_qh="i32", stride_side="i32", stride_block="i32", stride_tok="i32",
                              stride_head="i32", stride_tc="i32", stride_ot="i32", stride_oh="i32"),
-                        dict(GROUP=4, BS=16, D=64, BLOCK_D=64, BLOCK_M=16, **flags)))
+                        dict(GROUP=4, BS=16, D=64, BLOCK_D=64, BLOCK_M=16, BLOCK_N=16, **flags)))
+        # Blocks of 4 tokens and heads of 8 dims (the tests' small models): below what
+        # tl.dot takes, so the kernel reads 16 keys an iteration and pads the head to 16.
+        out.append((f"prefill {dtype} block_size=4 head_dim=8", ta._prefill_kernel, out[-1][2],
+                    dict(GROUP=4, BS=4, D=8, BLOCK_D=16, BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False,
+                         HAS_SOFTCAP=False)))
         out.append((f"decode_merge {dtype}", ta._decode_merge_kernel,
                     dict(part_ml_ptr="*fp32", part_acc_ptr="*fp32", out_ptr=p, stride_on="i32", stride_oh="i32",
                          num_splits="i32", num_heads="i32"), dict(D=64, BLOCK_D=64, SPLITS=4)))

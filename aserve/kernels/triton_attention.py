@@ -165,7 +165,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
 def _prefill_kernel(q_ptr, cache_ptr, table_ptr, starts_ptr, lens_ptr, ctx_ptr, out_ptr, scale, window, softcap,
                     stride_qt, stride_qh, stride_side, stride_block, stride_tok, stride_head, stride_tc,
                     stride_ot, stride_oh, GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -185,15 +185,18 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, starts_ptr, lens_ptr, ctx_ptr, 
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     last = ctx + tl.minimum((mb + 1) * BLOCK_M, qlen)  # keys past the block's last query are never seen
-    toks = tl.arange(0, BS)
-    for b in range(0, tl.cdiv(last, BS)):
-        block_id = tl.load(table_ptr + c * stride_tc + b).to(tl.int64)
-        offs = block_id * stride_block + toks[:, None] * stride_tok + kvh * stride_head + dims[None, :]
-        k = tl.load(cache_ptr + offs, mask=dmask[None, :], other=0.0).to(tl.float32)  # [BS, D]
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BM, BS]
+    # BLOCK_N keys an iteration, each through its own block id: a cache block of fewer
+    # than 16 tokens is smaller than tl.dot takes (K >= 16), so small blocks are read
+    # several to an iteration (BLOCK_N = max(16, BS)).
+    for first_key in range(0, last, BLOCK_N):
+        kpos = first_key + tl.arange(0, BLOCK_N)
+        kmask = kpos < last
+        block_id = tl.load(table_ptr + c * stride_tc + kpos // BS, mask=kmask, other=0).to(tl.int64)
+        offs = block_id[:, None] * stride_block + (kpos % BS)[:, None] * stride_tok + kvh * stride_head + dims[None, :]
+        k = tl.load(cache_ptr + offs, mask=kmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [BN, D]
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BM, BN]
         if HAS_SOFTCAP:
             scores = softcap * _tanh(scores / softcap)
-        kpos = b * BS + toks
         visible = (kpos[None, :] <= qpos[:, None]) & rmask[:, None]
         if HAS_WINDOW:
             visible = visible & (kpos[None, :] > qpos[:, None] - window)
@@ -202,7 +205,7 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, starts_ptr, lens_ptr, ctx_ptr, 
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(scores - m_safe[:, None])
-        v = tl.load(cache_ptr + stride_side + offs, mask=dmask[None, :], other=0.0).to(tl.float32)
+        v = tl.load(cache_ptr + stride_side + offs, mask=kmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
@@ -231,5 +234,5 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
     _prefill_kernel[grid](q, kv_cache, block_table, starts_t, lens_t, ctx_t, out, scale, window or 0, softcap or 1.0,
                           q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
                           kv_cache.stride(3), block_table.stride(0), out.stride(0), out.stride(1), GROUP=hq // hk,
-                          BS=bs, D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m,
-                          HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)
+                          BS=bs, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m,
+                          BLOCK_N=max(16, bs), HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)

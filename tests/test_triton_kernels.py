@@ -95,9 +95,16 @@ def test_decode_attention_from_the_block_table(dtype, hq, hk, window, softcap):
         table[row, : len(ids)] = torch.tensor(ids)
     q = torch.randn(4, hq, d, generator=g).to(dtype)
     scale = 1 / math.sqrt(d)
-    got = tk.decode_attention(*dev(q, cache, table, seq_lens), scale, window=window, softcap=softcap,
-                              blocks_per_split=2).cpu()
-    for row in range(4):
+    # The launch's own split count, and 3 parts (one of 64 keys, one of the rest, one
+    # empty for the 70-token row; empty for the short rows).
+    for splits in (None, 3):
+        got = tk.decode_attention(*dev(q, cache, table, seq_lens), scale, window=window, softcap=softcap,
+                                  num_splits=splits).cpu()
+        check_decode(got, q, cache, tables, seq_lens, hk, d, scale, window, softcap, dtype)
+
+
+def check_decode(got, q, cache, tables, seq_lens, hk, d, scale, window, softcap, dtype):
+    for row in range(len(tables)):
         n = int(seq_lens[row])
         blocks = torch.tensor(tables[row])
         keys = cache[0][blocks].reshape(-1, hk, d)[:n]
@@ -188,3 +195,16 @@ def test_a_tiny_model_stepped_through_the_triton_kernels_gives_the_plain_tokens(
         assert via_triton.engine.executor.worker.runner.triton_attention
         got = [o.outputs[0].token_ids for o in via_triton.generate(prompts, params)]
     assert got == want
+
+
+def test_decode_splits_follow_the_batch_not_the_tables_width():
+    """The split count fills the GPU's multiprocessors with programs and no more: a
+    batch of as many (row, head) pairs as that holds reads each row in one program,
+    whatever the width of the (captured) block table; one row splits as far as its
+    widest possible context allows."""
+    sms = 132
+    assert tk.decode_splits(32, 16, 256, 16, 64, sms) == 2  # 512 pairs, 528 programs wanted
+    assert tk.decode_splits(64, 16, 256, 16, 64, sms) == 1
+    assert tk.decode_splits(1, 16, 256, 16, 64, sms) == 33
+    assert tk.decode_splits(1, 16, 4, 16, 64, sms) == 1  # a 64-token table: one tile at most
+    assert tk.decode_splits(1, 1, 256, 16, 64, 1) == 4

@@ -44,7 +44,7 @@ def variants() -> list[tuple[str, object, dict, dict]]:
                              part_acc_ptr="*fp32", scale="fp32", window="i32", softcap="fp32", stride_qn="i32",
                              stride_qh="i32", stride_side="i32", stride_block="i32", stride_tok="i32",
                              stride_head="i32", stride_tn="i32", num_splits="i32", num_heads="i32"),
-                        dict(GROUP=4, BS=16, D=64, BLOCK_D=64, BLOCKS_PER_SPLIT=8, **flags)))
+                        dict(GROUP=4, BS=16, D=64, BLOCK_D=64, BLOCK_N=64, **flags)))
             out.append((f"prefill {tag}", ta._prefill_kernel,
                         dict(q_ptr=p, cache_ptr=p, table_ptr="*i64", starts_ptr="*i64", lens_ptr="*i64",
                              ctx_ptr="*i64", out_ptr=p, scale="fp32", window="i32", softcap="fp32", stride_qt="i32",

@@ -6,9 +6,11 @@ D]`` (keys, values); token ``t`` of a request lives at slot ``block_table[t // b
 t % bs``. The kernels:
 
 - :func:`store_kv`: a step's keys and values to their slots (one program a token).
-- :func:`decode_attention`: one query a row straight from the block table, the context
-  split into parts of ``blocks_per_split`` blocks (a program each, online softmax), then
-  one program a (row, head) merges the parts: a long context keeps every core busy.
+- :func:`decode_attention`: one query a row straight from the block table, each row's
+  context split into parts (a program each, online softmax over tiles of several cache
+  blocks), then one program a (row, head) merges the parts. The split count follows the
+  batch: a small batch splits its rows so a long context keeps every multiprocessor busy;
+  a batch of as many (row, head) pairs as the GPU holds programs takes one part each.
   GQA/MQA by head index; a sliding window (the last ``window`` positions) and logit
   soft-capping where a layer has them.
 - :func:`prefill_attention`: every prefill chunk of a step, variable lengths, each query
@@ -22,6 +24,8 @@ its bf16 arithmetic is wrong, so the tests use float32 and float16.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -67,7 +71,7 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 def _decode_part_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_ml_ptr, part_acc_ptr, scale, window, softcap,
                         stride_qn, stride_qh, stride_side, stride_block, stride_tok, stride_head, stride_tn,
                         num_splits, num_heads, GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         HAS_SOFTCAP: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -83,29 +87,33 @@ def _decode_part_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, part_ml_ptr, part
     m_i = tl.full((), NEG_INF, tl.float32)
     l_i = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    toks = tl.arange(0, BS)
-    # Only this split's blocks that hold keys the row sees: a split past the row's end (a
-    # short row in a table padded to a fixed width, as CUDA graphs have it) or wholly
-    # before its window runs no iteration and leaves an empty part.
-    begin = s * BLOCKS_PER_SPLIT
-    end = tl.minimum(begin + BLOCKS_PER_SPLIT, (seq_len + BS - 1) // BS)
+    # The row's own share of its keys: its length over the splits, in whole BLOCK_N
+    # tiles. The split count is the launch's (fixed in a CUDA graph), the share the
+    # row's, so a short row (or a padding row of a captured step) leaves its later
+    # splits empty and reads nothing past its end, however wide the block table is.
+    share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    begin = s * share
+    end = tl.minimum(begin + share, seq_len)
     if HAS_WINDOW:
-        begin = tl.maximum(begin, first // BS)
-    for b in range(begin, end):
-        pos = b * BS + toks
-        block_id = tl.load(table_ptr + n * stride_tn + b).to(tl.int64)
-        offs = block_id * stride_block + toks[:, None] * stride_tok + kvh * stride_head + dims[None, :]
-        k = tl.load(cache_ptr + offs, mask=dmask[None, :], other=0.0).to(tl.float32)  # [BS, D]
-        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BS]
+        begin = tl.maximum(begin, first // BLOCK_N * BLOCK_N)
+    for first_key in range(begin, end, BLOCK_N):
+        # BLOCK_N keys an iteration, each through its own block id (several cache blocks
+        # a tile: fewer, longer iterations than one block each).
+        pos = first_key + tl.arange(0, BLOCK_N)
+        visible = (pos < end) & (pos >= first)
+        block_id = tl.load(table_ptr + n * stride_tn + pos // BS, mask=visible, other=0).to(tl.int64)
+        offs = block_id[:, None] * stride_block + (pos % BS)[:, None] * stride_tok + kvh * stride_head + dims[None, :]
+        kv_mask = visible[:, None] & dmask[None, :]
+        k = tl.load(cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # [BN, D]
+        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BN]
         if HAS_SOFTCAP:
             scores = softcap * _tanh(scores / softcap)
-        visible = (pos < seq_len) & (pos >= first)
         scores = tl.where(visible, scores, NEG_INF)
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # no key yet: keep every term 0
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(scores - m_safe)
-        v = tl.load(cache_ptr + stride_side + offs, mask=dmask[None, :], other=0.0).to(tl.float32)
+        v = tl.load(cache_ptr + stride_side + offs, mask=kv_mask, other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
@@ -134,30 +142,55 @@ def _decode_merge_kernel(part_ml_ptr, part_acc_ptr, out_ptr, stride_on, stride_o
     tl.store(out_ptr + n * stride_on + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
+# Programs a decode launch aims for, per streaming multiprocessor: enough to keep every
+# one busy, few enough that no wave is mostly empty programs.
+PROGRAMS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    """The device's SM count (a CPU tensor, in the interpreter: 1)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def decode_splits(rows: int, heads: int, table_width: int, block_size: int, block_n: int, sms: int) -> int:
+    """How many parts each (row, head) splits its context into: enough programs for
+    ``PROGRAMS_PER_SM`` on each of ``sms`` multiprocessors, at most one a ``block_n``
+    tile of the widest row the table can hold. A batch that fills the GPU by itself
+    (rows x heads programs) takes one part and reads each row's keys in one program."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, rows * heads)
+    return max(1, min(wanted, triton.cdiv(table_width * block_size, block_n)))
+
+
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, *, window: int | None = None, softcap: float | None = None,
-                     blocks_per_split: int = 8) -> torch.Tensor:
+                     num_splits: int | None = None) -> torch.Tensor:
     """[N, Hq, D] queries, one a row at position ``seq_lens - 1``, over their cached keys
     and values (the row's own included: :func:`store_kv` first) through ``block_table``
-    [N, max_blocks]; returns [N, Hq, D] in ``q``'s dtype."""
+    [N, max_blocks]; returns [N, Hq, D] in ``q``'s dtype. Each row's context is split
+    into ``num_splits`` parts (by default :func:`decode_splits`' choice, which depends on
+    the shapes only, so a captured graph keeps it), a program each, then merged."""
     n, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
     assert kv_cache.is_contiguous() and q.stride(2) == 1 and hq % hk == 0
     out = torch.empty_like(q)
     if n == 0:
         return out
-    max_blocks = block_table.shape[1]
-    splits = triton.cdiv(max_blocks, blocks_per_split)
     block_d = triton.next_power_of_2(d)
-    part_ml = torch.empty(n, hq, splits, 2, dtype=torch.float32, device=q.device)
-    part_acc = torch.empty(n, hq, splits, block_d, dtype=torch.float32, device=q.device)
-    _decode_part_kernel[(n, hq, splits)](
+    # Keys a tile: 64 keeps a [64, D] float32 tile of keys and one of values within the
+    # registers of 4 warps at D = 64 (fewer at wider heads); at least one cache block.
+    block_n = max(bs, 64 if block_d <= 64 else 32)
+    if num_splits is None:
+        num_splits = decode_splits(n, hq, block_table.shape[1], bs, block_n, _multiprocessors(q.device))
+    part_ml = torch.empty(n, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(n, hq, num_splits, block_d, dtype=torch.float32, device=q.device)
+    _decode_part_kernel[(n, hq, num_splits)](
         q, kv_cache, block_table, seq_lens, part_ml, part_acc, scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_table.stride(0), splits, hq, GROUP=hq // hk, BS=bs, D=d, BLOCK_D=block_d, BLOCKS_PER_SPLIT=blocks_per_split,
+        block_table.stride(0), num_splits, hq, GROUP=hq // hk, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)
-    _decode_merge_kernel[(n, hq)](part_ml, part_acc, out, out.stride(0), out.stride(1), splits, hq, D=d,
-                                  BLOCK_D=block_d, SPLITS=triton.next_power_of_2(splits))
+    _decode_merge_kernel[(n, hq)](part_ml, part_acc, out, out.stride(0), out.stride(1), num_splits, hq, D=d,
+                                  BLOCK_D=block_d, SPLITS=triton.next_power_of_2(num_splits))
     return out
 
 

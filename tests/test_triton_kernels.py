@@ -208,3 +208,21 @@ def test_decode_splits_follow_the_batch_not_the_tables_width():
     assert tk.decode_splits(1, 16, 256, 16, 64, sms) == 33
     assert tk.decode_splits(1, 16, 4, 16, 64, sms) == 1  # a 64-token table: one tile at most
     assert tk.decode_splits(1, 1, 256, 16, 64, 1) == 4
+
+
+def test_a_gpu_worker_warns_when_the_interpreter_would_serve(monkeypatch, caplog):
+    """TRITON_INTERPRET=1 left in a GPU worker's environment runs every kernel in the
+    interpreter on the host: the worker still serves, and says so once at start-up."""
+    from aserve.worker.worker import triton_chosen
+
+    monkeypatch.delenv("ASERVE_TRITON", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with caplog.at_level("WARNING", logger="aserve.worker"):
+        assert triton_chosen(torch.device("cuda"))
+    assert any("interpreter" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with caplog.at_level("WARNING", logger="aserve.worker"):
+        assert triton_chosen(torch.device("cuda"))
+        assert not triton_chosen(torch.device("cpu"))  # auto: the CPU keeps its own kernels
+    assert not caplog.records

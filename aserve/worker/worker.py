@@ -61,6 +61,11 @@ def triton_chosen(device: torch.device) -> bool:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("ASERVE_TRITON=1 on the CPU runs Triton's interpreter: set TRITON_INTERPRET=1 too",
                           param="ASERVE_TRITON")
+    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
+        # Served, but from the interpreter, one program at a time on the host: a test
+        # setting that leaked into this environment (how the first GPU run found it).
+        logger.warning("TRITON_INTERPRET=1: the Triton kernels run in Triton's interpreter on the host, not compiled "
+                       "for the GPU (orders of magnitude slower); unset it to serve at the GPU's speed")
     return True
 
 

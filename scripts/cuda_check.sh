@@ -6,7 +6,7 @@
 # Run from the repository root. Where aserve's dependencies are not installed (the lent
 # GPU machine has torch, transformers and pytest but not msgspec, pyzmq, trio, ...),
 # put their wheels in .whl/ (see docs/cuda.md) and this installs them under /tmp/site.
-# Writes its logs to $OUT (default /tmp/aserve-cuda-check). Takes 2-4 minutes.
+# Writes its logs to $OUT (default /tmp/aserve-cuda-check). Took ~4.5 minutes on the H200.
 set -uo pipefail
 OUT=${OUT:-/tmp/aserve-cuda-check}
 mkdir -p "$OUT"
@@ -28,7 +28,10 @@ PY
 
 # NCCL alone: one rank per GPU all-reduces; then two ranks on GPU 0, which NCCL is
 # expected to refuse (why TP = 2 over NCCL needs two GPUs).
-cat > "$OUT/nccl_probe.py" <<'PY'
+# The probe's source goes to a temporary file, not $OUT: the device tool returns at most
+# eight files from there, and the logs and cuda_bench.py's results are eight.
+PROBE=$(mktemp --suffix=.py)
+cat > "$PROBE" <<'PY'
 import os, sys, tempfile
 import torch, torch.distributed as dist
 import torch.multiprocessing as mp
@@ -66,7 +69,7 @@ if __name__ == "__main__":
             if p.is_alive(): p.kill()
         print(f"NCCL, {name} (world {world}):", sorted(results, key=str))
 PY
-timeout 240 $PY "$OUT/nccl_probe.py" 2>&1 | grep -v "^\s*$" | tail -20 | tee "$OUT/nccl.txt"
+timeout 240 $PY "$PROBE" 2>&1 | grep -v "^\s*$" | tail -20 | tee "$OUT/nccl.txt"
 
 # -W default: warnings are shown, not errors, so that a warning of this machine's torch
 # build does not hide what the tests found.

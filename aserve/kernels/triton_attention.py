@@ -19,8 +19,11 @@ t % bs``. The kernels:
   one head.
 
 Arithmetic is float32 whatever the inputs' dtype (loads are upcast). On CPU tensors they
-run in Triton's interpreter (``TRITON_INTERPRET=1`` set before import: the tests);
-its bf16 arithmetic is wrong, so the tests use float32 and float16.
+run in Triton's interpreter (``TRITON_INTERPRET=1`` set before import: the tests where no
+GPU is visible); its bf16 arithmetic is wrong, so those tests use float32 and float16. On
+a GPU they are compiled (the tests take bf16 too), and tests/triton_compile.py compiles
+each for sm_90 and sm_80 without one, since the interpreter does not refuse what the
+compiler does.
 """
 
 from __future__ import annotations

@@ -17,7 +17,11 @@ For each model (the 152M benchmark Llama, and a ~1B-parameter Llama made here by
   the time), and the step over it;
 - whether the graphs' tokens equal the eager ones (greedy, the batch's first run);
 - with ``--serve`` (the 152M model only): ``aserve run`` and ``aserve bench serve`` at
-  32 streams, 128 in / 128 out, output tokens/s.
+  32 streams, 128 in / 128 out, output tokens/s;
+- with ``--profile`` (the first model, the largest batch, graphs): a ``torch.profiler``
+  trace of 32 decode steps, one ``PROFILE`` line per kernel or op among the costliest
+  (device time on a GPU, CPU time on the CPU) and a ``CHECK`` line with the device's
+  time a step against the whole step: what of the step is the GPU's and what the host's.
 
 Prints one ``CHECK`` line per figure and writes them all to ``OUT/cuda_bench.json``.
 ``--device cpu --model-dir DIR`` runs the same steps on a small model on the CPU (no
@@ -111,6 +115,40 @@ def decode_steps(model_dir: Path, *, device: str, dtype: str, batch: int, eager:
     return statistics.median(steps[1:]), first  # the first step is the prefill (the budget holds it)
 
 
+PROFILED_STEPS = 32
+
+
+def profile_steps(model_dir: Path, *, device: str, dtype: str, batch: int, top: int = 12) -> tuple[float, list]:
+    """(device or CPU seconds a decode step, the ``top`` costliest entries as (name,
+    seconds, calls)) over ``PROFILED_STEPS`` decode steps of ``batch`` prompts, graphs on."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from aserve import LLM, SamplingParams
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=PROFILED_STEPS + 1, ignore_eos=True, temperature=0)
+    on_gpu = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with LLM(str(model_dir), device=device, dtype=dtype, max_num_seqs=max(batch, 8),
+             max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+             kv_cache_memory=(4 << 30) if on_gpu else (1 << 28)) as llm:
+        llm.generate(prompts, params)  # warm: graphs captured, kernels compiled
+        with profile(activities=activities) as prof:
+            llm.generate(prompts, params)
+
+    def cost(event) -> float:  # microseconds; the attribute's name changed across torch releases
+        if on_gpu:
+            return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+        return event.self_cpu_time_total
+
+    events = sorted(prof.key_averages(), key=cost, reverse=True)
+    total = sum(cost(e) for e in events) * 1e-6
+    return total / PROFILED_STEPS, [(e.key, cost(e) * 1e-6, e.count) for e in events[:top]]
+
+
 def serve(model_dir: Path, device: str, out: Path) -> float:
     """Output tokens/s of ``aserve bench serve`` at 32 streams against ``aserve run``."""
     with socket.socket() as s:
@@ -151,6 +189,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--serve", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/aserve-cuda-check")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -166,6 +205,7 @@ def main() -> None:
             subprocess.run([sys.executable, str(ROOT / "scripts" / "make_bench_model.py"), str(path), "--size", size],
                            check=True, stdout=subprocess.DEVNULL)
             models[size] = path
+    steps_ms: dict[tuple[str, int], float] = {}
     for name, path in models.items():
         config = json.loads((path / "config.json").read_text())
         for batch in map(int, args.batches.split(",")):
@@ -175,12 +215,23 @@ def main() -> None:
                                                     eager=False)
             eager_step, eager_tokens = decode_steps(path, device=args.device, dtype=args.dtype, batch=batch,
                                                     eager=True)
+            steps_ms[name, batch] = graph_step * 1e3
             check(results, f"{name} decode step, batch {batch}", graphs_ms=six_figures(graph_step * 1e3),
                   eager_ms=six_figures(eager_step * 1e3), floor_ms=six_figures(floor * 1e3),
                   graphs_over_floor=round(graph_step / floor, 2), weight_mb=round(weights / 1e6),
                   kv_mb=round(kv / 1e6))
             same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
             check(results, f"{name} graphs' tokens, batch {batch}", equal_to_eager=f"{same}/{len(graph_tokens)}")
+    if args.profile:
+        name, path = next(iter(models.items()))
+        batch = max(map(int, args.batches.split(",")))
+        per_step, top = profile_steps(path, device=args.device, dtype=args.dtype, batch=batch)
+        for key, seconds, calls in top:
+            print(f"PROFILE {key[:70]}: {seconds * 1e3:.3f} ms in {calls} calls, "
+                  f"{seconds / PROFILED_STEPS * 1e6:.1f} us a step", flush=True)
+        where = "device" if args.device == "cuda" else "cpu"
+        check(results, f"{name} profile, batch {batch}", **{f"{where}_ms_a_step": six_figures(per_step * 1e3)},
+              step_ms=six_figures(steps_ms[name, batch]))
     if args.serve:
         path = next(iter(models.values()))
         check(results, f"{path.name} served, 32 streams", output_tok_s=round(serve(path, args.device, args.out), 1))

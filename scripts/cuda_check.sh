@@ -88,10 +88,11 @@ timeout 200 $PY -m pytest -q -ra -p no:cacheprovider -W default tests/test_hf_pa
 
 # Speed against the HBM floor (scripts/cuda_bench.py): the 152M benchmark model and a
 # ~1B one made there, bf16, decode steps at batch 1 and 32 with CUDA graphs and eager,
-# the graphs' tokens against the eager ones, and the 152M model served at 32 streams.
-# One "CHECK" line per figure.
+# the graphs' tokens against the eager ones, the 152M model served at 32 streams, and a
+# profile of its batch-32 step (the GPU's share of it, the costliest kernels: "PROFILE"
+# lines). One "CHECK" line per figure.
 if [ "${SKIP_SPEED:-0}" != 1 ]; then
-    timeout 300 $PY scripts/cuda_bench.py --models 152m,1b --batches 1,32 --serve --out "$OUT" 2>&1 \
+    timeout 300 $PY scripts/cuda_bench.py --models 152m,1b --batches 1,32 --serve --profile --out "$OUT" 2>&1 \
         | tee "$OUT/speed.txt" | grep "^CHECK"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aserve.kernels import amx_linear, bf16_linear
+from aserve.kernels import amx_linear, bf16_linear, cpu_fused_ops
 from aserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aserve.model.layers.linear import ColumnParallelLinear, prepack_linears
 from aserve.distributed.tp_group import TPGroup
@@ -89,6 +89,34 @@ def test_prefill_split_over_k_gives_the_bits_of_one_pass(amx, in_features):
     assert torch.equal(prefill[:32], amx.linear(x[:32], packed, 96))
     assert torch.equal(prefill[64:], amx.linear(x[64:], packed, 96))  # a last chunk of 13 rows
     torch.testing.assert_close(prefill.float(), reference(x, w).float(), rtol=2**-7, atol=1e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows, inter, in_features", [(77, 96, 544), (33, 64, 2816), (300, 704, 256), (5, 32, 64),
+                                                     (130, 2816, 1024)])
+def test_the_fused_gated_product_has_the_bits_of_the_two_calls(rows, inter, in_features, set_threads):
+    """``linear_silu`` (AMX): silu(x W_gate^T) * (x W_up^T) in one pass gives exactly
+    ``linear`` followed by the C ``silu_mul``, on one thread and on two: prefill chunks
+    with a partial last one, K in blocks and not, a group of gate pairs and a rest."""
+    amx_kernel, fused = amx_linear.load(), cpu_fused_ops.load()
+    assert amx_kernel is not None and fused is not None
+    assert amx_kernel.fuses_silu(2 * inter) and not amx_kernel.fuses_silu(2 * inter + 32)
+    g = torch.Generator().manual_seed(rows + inter)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = (torch.randn(2 * inter, in_features, generator=g) * 0.05).bfloat16()
+    packed = amx_kernel.pack(w)
+    for threads in (1, 2):
+        set_threads(threads)
+        want = fused.silu_mul(amx_kernel.linear(x, packed, 2 * inter))
+        assert torch.equal(amx_kernel.linear_silu(x, packed, inter), want), threads
+    gate, up = reference(x, w).float().chunk(2, dim=-1)
+    torch.testing.assert_close(want.float(), torch.nn.functional.silu(gate) * up, rtol=2**-6, atol=2e-2)
+
+
+@needs_avx512_bf16
+def test_the_avx512_bf16_kernel_has_no_fused_gated_product():
+    kernel = bf16_linear.load()
+    assert kernel is not None and not kernel.fuses_silu(128)
 
 
 def test_supports_bf16_weights_whose_input_side_is_a_multiple_of_32(amx):
@@ -190,3 +218,31 @@ def test_avx512_bf16_decode_passes_cover_every_row_and_column_once(rows, set_thr
     assert torch.equal(one, two)
     assert torch.equal(kernel.linear(x[-1:], packed, 160), one[-1:])
     torch.testing.assert_close(one.float(), reference(x, w).float(), rtol=2**-7, atol=1e-3)
+
+
+@needs_amx
+def test_a_bf16_prefill_takes_the_fused_gated_product_and_keeps_its_tokens(llama_dir, monkeypatch):
+    """A bf16 Llama on AMX runs its MLP's first half as ``linear_silu`` for steps of more
+    than 32 rows (prefill) and as the two calls for decode steps; the tokens and
+    logprobs are those of the two calls everywhere."""
+    from aserve import LLM, SamplingParams
+    from aserve.model.models import llama
+
+    rows = []
+    fused = amx_linear.AmxLinear.linear_silu
+    monkeypatch.setattr(amx_linear.AmxLinear, "linear_silu",
+                        lambda self, x, *rest: rows.append(x.shape[0]) or fused(self, x, *rest))
+    prompts = [[(3 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((40, 90, 20))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def run() -> list:
+        with LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 22) as llm:
+            assert llm.engine.executor.worker.runner.model.model.layers[0].mlp.gate_up_proj.amx is not None
+            return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                    for o in llm.generate(prompts, params)]
+
+    with_fused = run()
+    assert rows and min(rows) > llama.PREFILL_ROWS  # prefill steps only
+    monkeypatch.setattr(llama, "PREFILL_ROWS", 1 << 30)
+    rows.clear()
+    assert run() == with_fused and not rows

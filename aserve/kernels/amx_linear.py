@@ -51,6 +51,16 @@ class AmxLinear:
         self._linear = getattr(lib, f"{prefix}_linear")
         self._linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
         self._linear.restype = ctypes.c_int
+        # The gated MLP's first half in one pass (AMX only; see linear_silu).
+        self._linear_silu = getattr(lib, f"{prefix}_linear_silu", None)
+        if self._linear_silu is not None:
+            self._linear_silu.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+            self._linear_silu.restype = ctypes.c_int
+
+    def fuses_silu(self, out_features: int) -> bool:
+        """Whether :meth:`linear_silu` takes a ``[gate; up]`` weight of ``out_features``
+        rows: this kernel has the fused form, and each half is whole 32-column pairs."""
+        return self._linear_silu is not None and out_features % 64 == 0 and out_features > 0
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -100,6 +110,24 @@ class AmxLinear:
         if width != out_features:
             y = y[:, :out_features]
         return y if bias is None else y.add_(bias)
+
+
+    def linear_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
+        """``silu(x @ W_gate^T) * (x @ W_up^T)`` for ``x`` [rows, in] bf16 and the
+        :meth:`pack` ed copy of ``W = [gate; up]`` ([2 inter, in], ``fuses_silu(2 *
+        inter)``): the bits of :meth:`linear` followed by the C ``silu_mul``, without
+        the [rows, 2 inter] product ever in memory. Returns a new [rows, inter] tensor."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, in_features = x.shape
+        y = torch.empty(rows, inter, dtype=torch.bfloat16)
+        if rows:
+            code = self._linear_silu(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), inter, rows, inter,
+                                     in_features, torch.get_num_threads())
+            if code != 0:
+                raise ValueError(f"{self.kind} linear_silu: unsupported shape [{rows}, {in_features}] x "
+                                 f"[{2 * inter}, {in_features}] (or no scratch memory)")
+        return y
 
 
 def huge_page_arena(numel: int) -> torch.Tensor:

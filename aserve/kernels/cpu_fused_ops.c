@@ -15,6 +15,10 @@
  * called through ctypes. Rows are split between `num_threads` OpenMP threads (torch's
  * own) when there are enough of them to pay for the fork.
  */
+/* Included once per library: cpu_amx_linear.c includes it for its fused MLP entry, and
+ * the one-call decode steps include both. */
+#ifndef ASERVE_CPU_FUSED_OPS_C
+#define ASERVE_CPU_FUSED_OPS_C
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -133,7 +137,12 @@ int aserve_rms_norm(const void *x, int64_t x_stride, const void *residual, int64
 }
 
 
-static void silu_mul_row(const void *g, const void *u, void *out, int64_t n, int is_bf16) {
+/* Never inlined, cloned or specialised (noipa): aserve_amx_linear_silu (cpu_amx_linear.c)
+ * calls it too, and promises aserve_silu_mul's bits. Inlined, or cloned with is_bf16
+ * fixed, each copy may have its products and sums fused differently (GCC contracts the
+ * intrinsics' arithmetic too): with noinline alone a few outputs of the 152M shape came
+ * out a bf16 step apart. */
+__attribute__((noipa)) static void silu_mul_row(const void *g, const void *u, void *out, int64_t n, int is_bf16) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     const int64_t elt = is_bf16 ? 2 : 4;
@@ -225,3 +234,5 @@ int aserve_rotary(void *x, int64_t t_stride, int64_t h_stride, int64_t T, int64_
     }
     return 0;
 }
+
+#endif /* ASERVE_CPU_FUSED_OPS_C */

@@ -222,12 +222,15 @@ def test_avx512_bf16_decode_passes_cover_every_row_and_column_once(rows, set_thr
 
 @needs_amx
 def test_a_bf16_prefill_takes_the_fused_gated_product_and_keeps_its_tokens(llama_dir, monkeypatch):
-    """A bf16 Llama on AMX runs its MLP's first half as ``linear_silu`` for steps of more
-    than 32 rows (prefill) and as the two calls for decode steps; the tokens and
+    """Where ``fused_silu_pays`` (long prefills of wide models; here told so for every
+    step of more than 32 rows, the tiny model being narrow), a bf16 Llama on AMX runs its
+    MLP's first half as ``linear_silu``, and decode steps as the two calls; the tokens and
     logprobs are those of the two calls everywhere."""
     from aserve import LLM, SamplingParams
-    from aserve.model.models import llama
 
+    # As measured (AmxLinear.fused_silu_pays): the 152M model's long prefills, not the 7M's.
+    assert amx_linear.AmxLinear.fused_silu_pays(2048, 1024) and not amx_linear.AmxLinear.fused_silu_pays(2048, 256)
+    assert not amx_linear.AmxLinear.fused_silu_pays(128, 1024)
     rows = []
     fused = amx_linear.AmxLinear.linear_silu
     monkeypatch.setattr(amx_linear.AmxLinear, "linear_silu",
@@ -235,14 +238,14 @@ def test_a_bf16_prefill_takes_the_fused_gated_product_and_keeps_its_tokens(llama
     prompts = [[(3 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((40, 90, 20))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 
-    def run() -> list:
+    def run(pays) -> list:
+        monkeypatch.setattr(amx_linear.AmxLinear, "fused_silu_pays", staticmethod(pays))
         with LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 22) as llm:
             assert llm.engine.executor.worker.runner.model.model.layers[0].mlp.gate_up_proj.amx is not None
             return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
                     for o in llm.generate(prompts, params)]
 
-    with_fused = run()
-    assert rows and min(rows) > llama.PREFILL_ROWS  # prefill steps only
-    monkeypatch.setattr(llama, "PREFILL_ROWS", 1 << 30)
+    with_fused = run(lambda n, k: n > 32)
+    assert rows and min(rows) > 32  # the prefill steps only
     rows.clear()
-    assert run() == with_fused and not rows
+    assert run(lambda n, k: False) == with_fused and not rows

@@ -245,7 +245,9 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
  * aserve_silu_mul reads it back (the 152M model at 2,048 rows: 23 MB each way a layer,
  * ~4% of a prefill's samples in the activation alone). Here each 32-row chunk's products
  * for a group of gate pairs and the same group of up pairs go to a scratch block (at most
- * 32 rows x 1 KiB, in L1), and the activation runs on it at once.
+ * 32 rows x 1 KiB, in L1), and the activation runs on it at once. It pays where that
+ * product is large and K is not small (AmxLinear.fused_silu_pays says where: it reads x
+ * more often than the two-call form, whose groups at small K are larger).
  *
  * The bits are the two calls': each product is summed as aserve_amx_linear sums it and
  * rounded to bf16 the same way (pair_block), and the activation is aserve_silu_mul's own
@@ -279,7 +281,7 @@ int aserve_amx_linear_silu(const uint16_t *x, int64_t x_stride, const uint16_t *
        same; a whole GROUP_BYTES a side 15.1 ms; the two calls 12.3-12.9 ms). */
     int64_t group = GROUP_BYTES / 2 / ((KC > 0 ? KC : 1) * 2048);
     if (group < MIN_GROUP / 2) group = MIN_GROUP / 2;
-    if (group > 16) group = 16; /* the scratch block: 32 rows x 2 x 16 x 32 bf16 = 64 KiB at most */
+    if (group > 8) group = 8; /* the scratch block: 32 rows x 2 x 8 x 32 bf16 = 32 KiB, in L1 */
     const int64_t groups = (half + group - 1) / group;
     const int64_t chunks = (M + 31) / 32, panels = (chunks + PANEL_CHUNKS - 1) / PANEL_CHUNKS;
     const int64_t items = groups * panels;

@@ -125,12 +125,6 @@ class LlamaAttention(nn.Module):
         return torch.cat((self.q_norm.apply(q, squares[:, 0]), self.k_norm.apply(k, squares[:, 1]), v), dim=-1)
 
 
-# Rows above which the gated MLP's first half runs as one fused pass where the AMX kernel
-# serves (AmxLinear.linear_silu). At decode sizes (32 rows and fewer) the kernel streams
-# each weight from memory once in its own order, which the two-call form keeps.
-PREFILL_ROWS = 32
-
-
 class LlamaMLP(nn.Module):
     #: The C kernels (:mod:`aserve.kernels.cpu_fused_ops`), attached after loading on CPU.
     fused_ops: FusedOps | None = None
@@ -145,10 +139,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gp = self.gate_up_proj
-        if (self.hidden_act == "silu" and self.fused_ops is not None and gp.amx is not None
-                and x.dim() == 2 and x.shape[0] > PREFILL_ROWS and gp.amx.fuses_silu(gp.out_rows)):
-            # Prefill on AMX: the product and the activation in one pass, the [T, 2 inter]
-            # product never written out; the same bits as the two calls below.
+        if (self.hidden_act == "silu" and self.fused_ops is not None and gp.amx is not None and x.dim() == 2
+                and gp.amx.fuses_silu(gp.out_rows) and gp.amx.fused_silu_pays(x.shape[0], x.shape[1])):
+            # A long prefill on AMX: the product and the activation in one pass, the
+            # [T, 2 inter] product never written out; the same bits as the two calls below.
             return self.down_proj(gp.amx.linear_silu(x, gp.amx_weight, gp.out_rows // 2))
         gate_up = gp(x)
         if self.hidden_act == "silu" and self.fused_ops is not None and self.fused_ops.supports(gate_up):

@@ -14,7 +14,7 @@ def test_the_line_names_the_flags_and_the_forms_each_cpu_kind_runs():
     assert "AVX512-BF16 bf16 linear, prefill attention + its one-call decode, decode shared prefix" in avx512
     assert "no AMX kernels" in avx512
     amx = describe(frozenset({"avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}), model="Xeon")
-    assert "AMX bf16 linear" in amx and "decode shared prefix" in amx
+    assert "AMX bf16 linear" in amx and "gated MLP fused" in amx and "decode shared prefix" in amx
     old = describe(frozenset({"sse2"}), model="old")
     assert "no float32 linear or prefill attention kernel (needs AVX2 and FMA)" in old
 

@@ -35,7 +35,8 @@ def describe(flags: frozenset[str] | None = None, model: str | None = None) -> s
     else:
         kernels.append("no AVX512-BF16 kernels (needs avx512f and avx512_bf16)")
     if {"amx_tile", "amx_bf16"} <= flags:
-        kernels.append("AMX bf16 linear, prefill attention, one-call decode and decode shared prefix")
+        kernels.append("AMX bf16 linear (with the gated MLP fused for long prefills), prefill attention, one-call decode "
+                       "and decode shared prefix")
     else:
         kernels.append("no AMX kernels (needs amx_tile and amx_bf16)")
     if model is None:

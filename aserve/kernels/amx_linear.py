@@ -122,7 +122,6 @@ class AmxLinear:
             y = y[:, :out_features]
         return y if bias is None else y.add_(bias)
 
-
     def linear_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
         """``silu(x @ W_gate^T) * (x @ W_up^T)`` for ``x`` [rows, in] bf16 and the
         :meth:`pack` ed copy of ``W = [gate; up]`` ([2 inter, in], ``fuses_silu(2 *

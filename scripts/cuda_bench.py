@@ -81,11 +81,27 @@ def copy_bandwidth(device: str) -> float:
     return 2 * src.numel() * 4 / min(times) / 1e9
 
 
-def decode_steps(model_dir: Path, *, device: str, dtype: str, batch: int, eager: bool) -> tuple[float, list]:
-    """(median decode step in seconds, the first run's tokens) of ``batch`` prompts."""
+def random_prompts(model_dir: Path, batch: int, seed: int) -> list[list[int]]:
+    """``batch`` prompts of ``PROMPT_LEN`` random token ids of the model's vocabulary."""
     import torch
 
-    from aserve import LLM, SamplingParams
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
+
+
+def open_llm(model_dir: Path, *, device: str, dtype: str, batch: int, eager: bool = False):
+    """The offline engine every measurement here runs: room for ``batch`` rows of
+    ``PROMPT_LEN + OUTPUT_LEN`` tokens, 4 GiB of KV pool on a GPU (256 MiB on the CPU)."""
+    from aserve import LLM
+
+    return LLM(str(model_dir), device=device, dtype=dtype, enforce_eager=eager, max_num_seqs=max(batch, 8),
+               max_model_len=PROMPT_LEN + OUTPUT_LEN + 16, kv_cache_memory=(4 << 30) if device == "cuda" else (1 << 28))
+
+
+def decode_steps(model_dir: Path, *, device: str, dtype: str, batch: int, eager: bool) -> tuple[float, list]:
+    """(median decode step in seconds, the first run's tokens) of ``batch`` prompts."""
+    from aserve import SamplingParams
     from aserve.worker import model_runner
 
     steps: list[float] = []
@@ -98,15 +114,11 @@ def decode_steps(model_dir: Path, *, device: str, dtype: str, batch: int, eager:
         finally:
             steps.append(time.perf_counter() - start)
 
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
+    prompts = random_prompts(model_dir, batch, seed=0)
     params = dict(max_tokens=OUTPUT_LEN + 1, ignore_eos=True, temperature=0)
     model_runner.ModelRunner.execute_model = timed
     try:
-        with LLM(str(model_dir), device=device, dtype=dtype, enforce_eager=eager, max_num_seqs=max(batch, 8),
-                 max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
-                 kv_cache_memory=(4 << 30) if device == "cuda" else (1 << 28)) as llm:
+        with open_llm(model_dir, device=device, dtype=dtype, batch=batch, eager=eager) as llm:
             first = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**params))]
             steps.clear()
             llm.generate(prompts, SamplingParams(**params))
@@ -121,20 +133,15 @@ PROFILED_STEPS = 32
 def profile_steps(model_dir: Path, *, device: str, dtype: str, batch: int, top: int = 12) -> tuple[float, list]:
     """(device or CPU seconds a decode step, the ``top`` costliest entries as (name,
     seconds, calls)) over ``PROFILED_STEPS`` decode steps of ``batch`` prompts, graphs on."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from aserve import LLM, SamplingParams
+    from aserve import SamplingParams
 
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
+    prompts = random_prompts(model_dir, batch, seed=1)
     params = SamplingParams(max_tokens=PROFILED_STEPS + 1, ignore_eos=True, temperature=0)
     on_gpu = device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with LLM(str(model_dir), device=device, dtype=dtype, max_num_seqs=max(batch, 8),
-             max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
-             kv_cache_memory=(4 << 30) if on_gpu else (1 << 28)) as llm:
+    with open_llm(model_dir, device=device, dtype=dtype, batch=batch) as llm:
         llm.generate(prompts, params)  # warm: graphs captured, kernels compiled
         with profile(activities=activities) as prof:
             llm.generate(prompts, params)
@@ -205,7 +212,6 @@ def main() -> None:
             subprocess.run([sys.executable, str(ROOT / "scripts" / "make_bench_model.py"), str(path), "--size", size],
                            check=True, stdout=subprocess.DEVNULL)
             models[size] = path
-    steps_ms: dict[tuple[str, int], float] = {}
     for name, path in models.items():
         config = json.loads((path / "config.json").read_text())
         for batch in map(int, args.batches.split(",")):
@@ -215,7 +221,6 @@ def main() -> None:
                                                     eager=False)
             eager_step, eager_tokens = decode_steps(path, device=args.device, dtype=args.dtype, batch=batch,
                                                     eager=True)
-            steps_ms[name, batch] = graph_step * 1e3
             check(results, f"{name} decode step, batch {batch}", graphs_ms=six_figures(graph_step * 1e3),
                   eager_ms=six_figures(eager_step * 1e3), floor_ms=six_figures(floor * 1e3),
                   graphs_over_floor=round(graph_step / floor, 2), weight_mb=round(weights / 1e6),
@@ -230,8 +235,9 @@ def main() -> None:
             print(f"PROFILE {key[:70]}: {seconds * 1e3:.3f} ms in {calls} calls, "
                   f"{seconds / PROFILED_STEPS * 1e6:.1f} us a step", flush=True)
         where = "device" if args.device == "cuda" else "cpu"
+        step = next(r for r in results if r["check"] == f"{name} decode step, batch {batch}")
         check(results, f"{name} profile, batch {batch}", **{f"{where}_ms_a_step": six_figures(per_step * 1e3)},
-              step_ms=six_figures(steps_ms[name, batch]))
+              step_ms=step["graphs_ms"])
     if args.serve:
         path = next(iter(models.values()))
         check(results, f"{path.name} served, 32 streams", output_tok_s=round(serve(path, args.device, args.out), 1))

@@ -130,9 +130,10 @@ def decode_steps(model_dir: Path, *, device: str, dtype: str, batch: int, eager:
 PROFILED_STEPS = 32
 
 
-def profile_steps(model_dir: Path, *, device: str, dtype: str, batch: int, top: int = 12) -> tuple[float, list]:
+def profile_steps(model_dir: Path, *, device: str, dtype: str, batch: int, top: int = 12) -> tuple[float, list, list]:
     """(device or CPU seconds a decode step, the ``top`` costliest entries as (name,
-    seconds, calls)) over ``PROFILED_STEPS`` decode steps of ``batch`` prompts, graphs on."""
+    seconds, calls), and on a GPU the ``top`` costliest on the host by their own CPU
+    time, else []) over ``PROFILED_STEPS`` decode steps of ``batch`` prompts, graphs on."""
     from torch.profiler import ProfilerActivity, profile
 
     from aserve import SamplingParams
@@ -151,9 +152,12 @@ def profile_steps(model_dir: Path, *, device: str, dtype: str, batch: int, top: 
             return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
         return event.self_cpu_time_total
 
-    events = sorted(prof.key_averages(), key=cost, reverse=True)
+    averages = prof.key_averages()
+    events = sorted(averages, key=cost, reverse=True)
     total = sum(cost(e) for e in events) * 1e-6
-    return total / PROFILED_STEPS, [(e.key, cost(e) * 1e-6, e.count) for e in events[:top]]
+    host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top] if on_gpu else []
+    return (total / PROFILED_STEPS, [(e.key, cost(e) * 1e-6, e.count) for e in events[:top]],
+            [(e.key, e.self_cpu_time_total * 1e-6, e.count) for e in host])
 
 
 def serve(model_dir: Path, device: str, out: Path) -> float:
@@ -230,10 +234,11 @@ def main() -> None:
     if args.profile:
         name, path = next(iter(models.items()))
         batch = max(map(int, args.batches.split(",")))
-        per_step, top = profile_steps(path, device=args.device, dtype=args.dtype, batch=batch)
-        for key, seconds, calls in top:
-            print(f"PROFILE {key[:70]}: {seconds * 1e3:.3f} ms in {calls} calls, "
-                  f"{seconds / PROFILED_STEPS * 1e6:.1f} us a step", flush=True)
+        per_step, top, host = profile_steps(path, device=args.device, dtype=args.dtype, batch=batch)
+        for label, entries in (("PROFILE", top), ("PROFILE host", host)):
+            for key, seconds, calls in entries:
+                print(f"{label} {key[:70]}: {seconds * 1e3:.3f} ms in {calls} calls, "
+                      f"{seconds / PROFILED_STEPS * 1e6:.1f} us a step", flush=True)
         where = "device" if args.device == "cuda" else "cpu"
         step = next(r for r in results if r["check"] == f"{name} decode step, batch {batch}")
         check(results, f"{name} profile, batch {batch}", **{f"{where}_ms_a_step": six_figures(per_step * 1e3)},

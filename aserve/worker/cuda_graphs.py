@@ -8,10 +8,15 @@ once and replays them in one call. A graph replays fixed shapes over fixed memor
   every multiple of 8 up to ``max_size``), largest first, all in one memory pool;
 - the step's inputs live in persistent buffers sized for the largest bucket: token ids,
   positions, slots, sequence lengths, and a block table of a fixed width (the blocks of
-  the longest sequence the engine serves, ``max_model_len / block_size``);
-- a step of ``n`` decode rows is copied into the first ``n`` rows of those buffers and
-  the smallest bucket ``b >= n`` is replayed; rows ``n .. b`` are padding: slot -1 (the
-  Triton store skips it), length 1, token 0, and their outputs are dropped;
+  the longest sequence the engine serves, ``max_model_len / block_size``), all views of
+  one int64 device tensor;
+- a step of ``n`` decode rows is written into the first ``n`` rows of a host mirror of
+  that tensor (pinned memory on a GPU), padded there to the smallest bucket ``b >= n``,
+  and sent in one non-blocking copy; then the bucket's graph is replayed. Rows
+  ``n .. b`` are padding: slot -1 (the Triton store skips it), length 1, token 0, and
+  their outputs are dropped. One copy and no padding kernels, because on a GPU each
+  small copy from pageable memory waits for the stream, and those waits were most of a
+  small model's step (docs/cuda.md);
 - a step with a prefill chunk, more rows than the largest bucket, or that asks for
   something the graph does not compute runs eagerly, as without graphs.
 
@@ -108,11 +113,19 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.backend = backend
         rows = self.sizes[-1]
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(rows, dtype=torch.long, device=device)
-        self.block_table = torch.zeros(rows, max_blocks, dtype=torch.long, device=device)
+        # One tensor: [ids | positions | slots | lengths] (``rows`` each), then the table,
+        # row-major, so a bucket of b rows needs only the first 4 * rows + b * max_blocks.
+        self._inputs = torch.zeros(rows * (4 + max_blocks), dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_table = _views(
+            self._inputs, rows, max_blocks)
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        on_gpu = device.type == "cuda"
+        # The host mirror the step is written into; on the CPU the buffers themselves.
+        self._host = self._inputs.cpu().pin_memory() if on_gpu else self._inputs
+        self._host_views = _views(self._host, rows, max_blocks)
+        # Recorded after each copy: the host mirror is not rewritten before the copy read it.
+        self._copied = torch.cuda.Event() if on_gpu else None
         self.replays: dict[int, Replay] = {}
         self.replayed = 0  # steps served by a graph (the tests and the start-up log read it)
         self.capture_seconds = 0.0
@@ -141,25 +154,37 @@ class DecodeGraphs:
             block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
         """The hidden states ([n, hidden]) of a decode-only step of ``n`` rows, one token
         each, replayed from the bucket's graph; None where no graph fits (the caller
-        runs the step eagerly). Inputs are on the buffers' device."""
+        runs the step eagerly). Inputs are host (CPU) tensors; they go to the device in
+        one copy, padded to the bucket here."""
         n = input_ids.shape[0]
         size = self.bucket(n)
         width = block_table.shape[1]
         if size is None or width > self.max_blocks:
             return None
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.block_table[:n, :width].copy_(block_table)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy is done with the mirror
+        ids, pos, slots, lens, table = self._host_views
+        ids[:n], pos[:n], slots[:n], lens[:n] = input_ids, positions, slot_mapping, seq_lens
+        table[:n, :width] = block_table
         if size > n:  # padding rows: stored nowhere, one key each (a stale table row is a valid block)
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
+            ids[n:size] = 0
+            pos[n:size] = 0
+            slots[n:size] = -1
+            lens[n:size] = 1
+        if self._host is not self._inputs:
+            end = 4 * self.sizes[-1] + size * self.max_blocks
+            self._inputs[:end].copy_(self._host[:end], non_blocking=True)
+            assert self._copied is not None
+            self._copied.record()
         hidden = self.replays[size]()
         self.replayed += 1
         return hidden[:n]
+
+
+def _views(flat: torch.Tensor, rows: int, max_blocks: int) -> tuple[torch.Tensor, ...]:
+    """(ids, positions, slots, lengths, table [rows, max_blocks]) of the packed inputs."""
+    parts = flat[: 4 * rows].view(4, rows).unbind(0)
+    return (*parts, flat[4 * rows :].view(rows, max_blocks))
 
 
 def graph_blockers(model: torch.nn.Module) -> list[str]:

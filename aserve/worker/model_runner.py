@@ -35,6 +35,7 @@ from aserve.sampling_params import SamplingParams
 from aserve.wire.worker_messages import GrammarMasks, RunnerOutput, SchedulerOutput
 from aserve.distributed.pp_group import PPGroup
 from aserve.worker.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, capture_sizes
+from aserve.worker.step_inputs import StepInputs
 from aserve.worker.decode_staging import DecodeStaging
 from aserve.worker.sampler import Sampler, SamplingRow, batched_logprobs
 from aserve.wire.messages import TokenLogprobs
@@ -118,6 +119,7 @@ class ModelRunner:
         self._kv_mapping: mmap.mmap | None = None  # the CPU pool's memory
         self._released_kv: tuple[tuple[int, ...], torch.dtype] | None = None  # a GPU pool freed by a sleep
         self.graphs: DecodeGraphs | None = None  # captured decode steps (capture_decode_graphs)
+        self.step_inputs = None if self.on_cpu else StepInputs(self.device)  # the step's one copy to the device
         self._graph_args: dict | None = None
 
     def init_kv_cache(self, num_blocks: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -273,11 +275,12 @@ class ModelRunner:
         for row, (state, _) in enumerate(scheduled):
             table[row, : len(state.block_ids)] = state.block_ids
         block_table = torch.from_numpy(table)
-        pos_t = _long_tensor(positions)
-        row_t = _long_tensor(row_of_token)
-        slot_mapping = block_table[row_t, pos_t // bs] * bs + pos_t % bs
+        pos_np = np.fromiter(positions, dtype=np.int64, count=len(positions))
+        row_np = np.fromiter(row_of_token, dtype=np.int64, count=len(row_of_token))
+        slots = table[row_np, pos_np // bs] * bs + pos_np % bs
+        pos_t, slot_mapping = torch.from_numpy(pos_np), torch.from_numpy(slots)
         if self.prefix_layouts is not None:
-            self.prefix_layouts.written(slot_mapping.numpy(), bs)
+            self.prefix_layouts.written(slots, bs)
 
         decode_table = decode_mask = decode_rows = decode_write_index = seq_lens = None
         prefix_blocks = 0  # leading blocks every decode row shares (the C kernel's shared prefix)
@@ -310,16 +313,22 @@ class ModelRunner:
             for i, layer in enumerate(self.kv_caches):
                 layer.prefix_slot = None if slots is None else slots[i]
         input_t = _long_tensor(input_ids)
+        if self.graphs is not None and num_decode == len(scheduled) and self.pp is None:
+            assert decode_table is not None and seq_lens is not None
+            # From the host tensors: the graphs' own buffers take them in one copy.
+            hidden = self.graphs.run(input_t, pos_t, slot_mapping, decode_table, seq_lens)  # None: no bucket fits
+            if hidden is not None:
+                return self._sample(scheduled, starts, hidden, sched.masks_follow)
         if not self.on_cpu:
-            # Everything the forward pass indexes with goes to the device once, here.
-            dev = self.device
-            input_t, pos_t, slot_mapping, block_table = (t.to(dev) for t in (input_t, pos_t, slot_mapping, block_table))
+            # Everything the forward pass indexes with goes to the device once, here, in
+            # one copy (the decode rows' table is the first rows of the block table's).
+            assert self.step_inputs is not None
+            input_t, pos_t, slot_mapping, block_table, seq_lens = self.step_inputs.send(
+                [input_t, pos_t, slot_mapping, block_table, seq_lens])
             if decode_table is not None:
-                decode_table = decode_table.to(dev)
+                decode_table = block_table[:num_decode, : decode_table.shape[1]]
             if decode_mask is not None:
-                decode_mask = decode_mask.to(dev)
-            if seq_lens is not None:
-                seq_lens = seq_lens.to(dev)
+                decode_mask = decode_mask.to(self.device)
         prefills = []
         for row in range(num_decode, len(scheduled)):
             state, n = scheduled[row]
@@ -339,14 +348,9 @@ class ModelRunner:
             prefill_kernel=self.prefill_kernel, triton=self.triton_attention, layer_done=self.layer_done,
         )
 
-        hidden = None
-        if self.graphs is not None and num_decode == len(scheduled):
-            assert decode_table is not None and seq_lens is not None
-            hidden = self.graphs.run(input_t, pos_t, slot_mapping, decode_table, seq_lens)  # None: no bucket fits
         if self.pp is not None:
             return self._pipeline_step(scheduled, starts, input_t, pos_t, meta, sched.masks_follow)
-        if hidden is None:
-            hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]
+        hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]
         return self._sample(scheduled, starts, hidden, sched.masks_follow)
 
     def _pipeline_step(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int], input_t: torch.Tensor,
@@ -380,8 +384,11 @@ class ModelRunner:
             if masks_follow:
                 self._read_masks()  # read all the same: the next step's come after them
             return RunnerOutput([], [], {}, prompt_logprobs)
-        last_token = _long_tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows]).to(self.device)
-        logits = self.model.compute_logits(hidden[last_token])  # [N, vocab], sampled where they are
+        if len(sample_rows) == hidden.shape[0]:  # every row samples its only token: all of hidden, in order
+            logits = self.model.compute_logits(hidden)  # [N, vocab], sampled where they are
+        else:
+            last_token = _long_tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows]).to(self.device)
+            logits = self.model.compute_logits(hidden[last_token])
         rows = [scheduled[r][0] for r in sample_rows]
         # Read as late as can be: the engine core computes them while this step runs.
         allowed = _allowed(self._read_masks(), sample_ids) if masks_follow else None

@@ -26,7 +26,8 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def variants() -> list[tuple[str, object, dict, dict]]:
-    """``(name, kernel, signature, constexprs)`` for every variant to compile."""
+    """``(name, kernel, signature, constexprs)`` for every variant to compile (the launch
+    options a kernel is launched with: :func:`launch_options`)."""
     from aserve.kernels import triton_attention as ta
     from aserve.kernels import triton_ops as to
 
@@ -74,8 +75,15 @@ def variants() -> list[tuple[str, object, dict, dict]]:
     return out
 
 
+def launch_options(kernel) -> dict:
+    """The options aserve launches ``kernel`` with (its warps where not Triton's default)."""
+    from aserve.kernels import triton_attention as ta
+
+    return {"num_warps": ta.DECODE_WARPS} if kernel is ta._decode_part_kernel else {}
+
+
 def compile_one(kernel, signature: dict, constexprs: dict, target: tuple) -> int:
-    """Compiles one variant; returns the cubin's size in bytes."""
+    """Compiles one variant, with the options it is launched with; returns the cubin's size in bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -84,7 +92,8 @@ def compile_one(kernel, signature: dict, constexprs: dict, target: tuple) -> int
     if missing:
         raise TypeError(f"no type given for {sorted(missing)}")
     full = {name: signature.get(name, "constexpr") for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, full, constexprs=constexprs), target=GPUTarget(*target))
+    compiled = triton.compile(ASTSource(kernel, full, constexprs=constexprs), target=GPUTarget(*target),
+                              options=launch_options(kernel))
     return len(compiled.asm["cubin"])
 
 

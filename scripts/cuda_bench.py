@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from decode_roofline import step_bytes  # noqa: E402
+from step_timing import timed_calls  # noqa: E402
 
 PROMPT_LEN, OUTPUT_LEN = 128, 128
 
@@ -105,25 +106,13 @@ def decode_steps(model_dir: Path, *, device: str, dtype: str, batch: int, eager:
     from aserve.worker import model_runner
 
     steps: list[float] = []
-    inner = model_runner.ModelRunner.execute_model
-
-    def timed(self, sched):
-        start = time.perf_counter()
-        try:
-            return inner(self, sched)
-        finally:
-            steps.append(time.perf_counter() - start)
-
     prompts = random_prompts(model_dir, batch, seed=0)
     params = dict(max_tokens=OUTPUT_LEN + 1, ignore_eos=True, temperature=0)
-    model_runner.ModelRunner.execute_model = timed
-    try:
-        with open_llm(model_dir, device=device, dtype=dtype, batch=batch, eager=eager) as llm:
-            first = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**params))]
-            steps.clear()
-            llm.generate(prompts, SamplingParams(**params))
-    finally:
-        model_runner.ModelRunner.execute_model = inner
+    with timed_calls(model_runner.ModelRunner, "execute_model", steps), \
+            open_llm(model_dir, device=device, dtype=dtype, batch=batch, eager=eager) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**params))]
+        steps.clear()
+        llm.generate(prompts, SamplingParams(**params))
     return statistics.median(steps[1:]), first  # the first step is the prefill (the budget holds it)
 
 

@@ -29,11 +29,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from step_timing import best_seconds, timed_calls  # noqa: E402
 
 _SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -99,14 +101,7 @@ def gemm_rate(dtype: str, threads: int) -> float:
     if not candidates:
         rows = 256
         candidates.append(lambda: x[:rows] @ w.t())
-    best = float("inf")
-    for run in candidates:
-        run()
-        for _ in range(5):
-            start = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - start)
-    return 2 * rows * 5632 * 1024 / best / 1e9
+    return 2 * rows * 5632 * 1024 / best_seconds(candidates) / 1e9
 
 
 def main() -> None:
@@ -125,22 +120,9 @@ def main() -> None:
     from aserve.worker import model_runner
 
     times: dict[str, list[float]] = {"execute": [], "stack": []}
-
-    def timed(cls: type, name: str, key: str) -> None:
-        inner = getattr(cls, name)
-
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                times[key].append(time.perf_counter() - start)
-
-        setattr(cls, name, wrapper)
-
-    timed(model_runner.ModelRunner, "execute_model", "execute")
-    timed(llama_decode.DecodeStack, "run", "stack")
-    with LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=0) as llm:
+    with timed_calls(model_runner.ModelRunner, "execute_model", times["execute"]), \
+            timed_calls(llama_decode.DecodeStack, "run", times["stack"]), \
+            LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=0) as llm:
         measure(llm, args, times)
 
 

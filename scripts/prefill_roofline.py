@@ -26,11 +26,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from step_timing import best_seconds, timed_calls  # noqa: E402
 
 
 def sig(x: float) -> float:
@@ -72,14 +74,7 @@ def gemm_seconds(shapes: list[tuple[str, int, int]], rows: int, dtype: str) -> d
             runs.append(lambda: kernel.linear(x, own, n))
         if not runs:
             runs.append(lambda: torch.nn.functional.linear(x, w))
-        best = float("inf")
-        for run in runs:
-            run()
-            for _ in range(5):
-                start = time.perf_counter()
-                run()
-                best = min(best, time.perf_counter() - start)
-        out[name] = best
+        out[name] = best_seconds(runs)
     return out
 
 
@@ -103,21 +98,12 @@ def main() -> None:
     shapes = projection_shapes(config)
     layers = config["num_hidden_layers"]
     steps: list[float] = []
-    inner = model_runner.ModelRunner.execute_model
-
-    def timed(self, sched):
-        start = time.perf_counter()
-        try:
-            return inner(self, sched)
-        finally:
-            steps.append(time.perf_counter() - start)
-
-    model_runner.ModelRunner.execute_model = timed
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
     budget = max(args.prompt_len, 2048)
-    with LLM(model=args.model, dtype=args.dtype, seed=0, enable_prefix_caching=False,
-             max_num_batched_tokens=budget, max_model_len=args.prompt_len + 16) as llm:
+    with timed_calls(model_runner.ModelRunner, "execute_model", steps), \
+            LLM(model=args.model, dtype=args.dtype, seed=0, enable_prefix_caching=False,
+                max_num_batched_tokens=budget, max_model_len=args.prompt_len + 16) as llm:
         threads = torch.get_num_threads()
         for _ in range(args.repeats):
             per_product = gemm_seconds(shapes, args.prompt_len, args.dtype)

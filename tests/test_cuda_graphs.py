@@ -38,14 +38,20 @@ class _Echo(torch.nn.Module):
                             meta.decode_block_table[:, 0], meta.decode_block_table[:, 1]], dim=1)
 
 
-def test_a_step_fills_the_persistent_inputs_and_pads_to_its_bucket():
+@pytest.mark.parametrize("mirror", [False, True])
+def test_a_step_fills_the_persistent_inputs_and_pads_to_its_bucket(mirror):
+    """In place (the CPU's way) and through the host mirror (a GPU's: one copy of the
+    header and the step's own table, packed at its width, then the table's rows put in
+    place on the device)."""
     graphs = DecodeGraphs(_Echo(), [], sizes=capture_sizes(8), max_blocks=3, device=torch.device("cpu"),
-                          backend=EagerReplay())
+                          backend=EagerReplay(), mirror=mirror)
     graphs.capture()
     table = torch.tensor([[4, 7], [9, 0], [2, 3]])
     got = graphs.run(torch.tensor([11, 12, 13]), torch.tensor([20, 5, 31]), torch.tensor([71, 145, 47]), table,
                      torch.tensor([21, 6, 32]))
     assert got.tolist() == [[11, 20, 71, 21, 4, 7], [12, 5, 145, 6, 9, 0], [13, 31, 47, 32, 2, 3]]
+    # Mirrored, the copy is the header (4 x 8 rows) and the 3 x 2 table, not 3 x 3 or 8 x 3.
+    assert graphs.sent_elements == (4 * 8 + 3 * 2 if mirror else 0)
     # The bucket of 3 rows is 4: the fourth row is padding, stored nowhere (slot -1; block 0
     # is reserved and stays zero), one key long.
     assert graphs.input_ids[3] == 0 and graphs.positions[3] == 0
@@ -53,6 +59,7 @@ def test_a_step_fills_the_persistent_inputs_and_pads_to_its_bucket():
     # After a step of 3 rows, a step of 1 row pads rows 1 .. 0 of its own bucket only.
     assert graphs.run(torch.tensor([1]), torch.tensor([2]), torch.tensor([3]), table[:1, :1],
                       torch.tensor([3])).tolist() == [[1, 2, 3, 3, 4, 7]]
+    assert graphs.sent_elements == (4 * 8 + 1 if mirror else 0)
     assert graphs.replayed == 2
     # Wider tables than captured and batches past the largest bucket are not replayed.
     assert graphs.run(torch.tensor([1]), torch.tensor([2]), torch.tensor([3]), torch.zeros(1, 4, dtype=torch.long),

@@ -11,12 +11,13 @@ once and replays them in one call. A graph replays fixed shapes over fixed memor
   the longest sequence the engine serves, ``max_model_len / block_size``), all views of
   one int64 device tensor;
 - a step of ``n`` decode rows is written into the first ``n`` rows of a host mirror of
-  that tensor (pinned memory on a GPU), padded there to the smallest bucket ``b >= n``,
-  and sent in one non-blocking copy; then the bucket's graph is replayed. Rows
-  ``n .. b`` are padding: slot -1 (the Triton store skips it), length 1, token 0, and
-  their outputs are dropped. One copy and no padding kernels, because on a GPU each
-  small copy from pageable memory waits for the stream, and those waits were most of a
-  small model's step (docs/cuda.md);
+  those buffers (pinned memory on a GPU), padded there to the smallest bucket
+  ``b >= n``, its block table packed at its own width, and sent in one non-blocking
+  copy; one device copy puts the table's rows in place, then the bucket's graph is
+  replayed. Rows ``n .. b`` are padding: slot -1 (the Triton store skips it), length 1,
+  token 0, and their outputs are dropped. One copy and no padding kernels, because on a
+  GPU each small copy from pageable memory waits for the stream, and those waits were
+  most of a small model's step (docs/cuda.md);
 - a step with a prefill chunk, more rows than the largest bucket, or that asks for
   something the graph does not compute runs eagerly, as without graphs.
 
@@ -106,26 +107,39 @@ class DecodeGraphs:
     """The captured decode steps of one model runner, and their persistent inputs."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[LayerKV], *, sizes: list[int], max_blocks: int,
-                 device: torch.device, backend: GraphBackend) -> None:
+                 device: torch.device, backend: GraphBackend, mirror: bool | None = None) -> None:
+        """``mirror``: write each step into a host mirror and send it in one copy (the
+        default on a CUDA device, where the mirror is pinned); without it the step is
+        written into the buffers themselves (on the CPU). The tests take the mirrored
+        path on the CPU too."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(set(sizes))
         self.max_blocks = max_blocks
         self.backend = backend
         rows = self.sizes[-1]
-        # One tensor: [ids | positions | slots | lengths] (``rows`` each), then the table,
-        # row-major, so a bucket of b rows needs only the first 4 * rows + b * max_blocks.
-        self._inputs = torch.zeros(rows * (4 + max_blocks), dtype=torch.long, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_table = _views(
-            self._inputs, rows, max_blocks)
+        on_gpu = device.type == "cuda"
+        self.mirrored = on_gpu if mirror is None else mirror
+        # One tensor: [ids | positions | slots | lengths] (``rows`` each), then, when
+        # mirrored, a staging area, then the table [rows, max_blocks]. The host mirror is
+        # the first two parts: a step's header and its own table, packed ([n, width], its
+        # widest row's blocks), cross in one copy, and one device copy puts the table's
+        # rows in place. Sending the table at its captured width instead would cost
+        # max_model_len / block_size entries a row (16 MB a step at 256 rows of a 128k
+        # context).
+        staging = rows * max_blocks if self.mirrored else 0
+        self._inputs = torch.zeros(4 * rows + staging + rows * max_blocks, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._inputs[: 4 * rows].view(4, rows).unbind(0)
+        self.block_table = self._inputs[4 * rows + staging :].view(rows, max_blocks)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
-        on_gpu = device.type == "cuda"
-        # The host mirror the step is written into; on the CPU the buffers themselves.
-        self._host = self._inputs.cpu().pin_memory() if on_gpu else self._inputs
-        self._host_views = _views(self._host, rows, max_blocks)
+        self._host = None
+        if self.mirrored:
+            self._host = torch.zeros(4 * rows + staging, dtype=torch.long, pin_memory=on_gpu)
+            self._host[: 4 * rows].copy_(self._inputs[: 4 * rows])
         # Recorded after each copy: the host mirror is not rewritten before the copy read it.
-        self._copied = torch.cuda.Event() if on_gpu else None
+        self._copied = torch.cuda.Event() if self.mirrored and on_gpu else None
+        self.sent_elements = 0  # int64s the last step sent to the device (the tests read it)
         self.replays: dict[int, Replay] = {}
         self.replayed = 0  # steps served by a graph (the tests and the start-up log read it)
         self.capture_seconds = 0.0
@@ -161,30 +175,30 @@ class DecodeGraphs:
         width = block_table.shape[1]
         if size is None or width > self.max_blocks:
             return None
+        rows = self.sizes[-1]
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy is done with the mirror
-        ids, pos, slots, lens, table = self._host_views
+        head = self._inputs if self._host is None else self._host
+        ids, pos, slots, lens = head[: 4 * rows].view(4, rows).unbind(0)
         ids[:n], pos[:n], slots[:n], lens[:n] = input_ids, positions, slot_mapping, seq_lens
-        table[:n, :width] = block_table
         if size > n:  # padding rows: stored nowhere, one key each (a stale table row is a valid block)
             ids[n:size] = 0
             pos[n:size] = 0
             slots[n:size] = -1
             lens[n:size] = 1
-        if self._host is not self._inputs:
-            end = 4 * self.sizes[-1] + size * self.max_blocks
-            self._inputs[:end].copy_(self._host[:end], non_blocking=True)
-            assert self._copied is not None
-            self._copied.record()
+        if self._host is None:
+            self.block_table[:n, :width] = block_table
+        else:
+            end = 4 * rows + n * width
+            self._host[4 * rows : end].view(n, width).copy_(block_table)
+            self._inputs[:end].copy_(self._host[:end], non_blocking=self._copied is not None)
+            if self._copied is not None:
+                self._copied.record()
+            self.block_table[:n, :width].copy_(self._inputs[4 * rows : end].view(n, width))
+            self.sent_elements = end
         hidden = self.replays[size]()
         self.replayed += 1
         return hidden[:n]
-
-
-def _views(flat: torch.Tensor, rows: int, max_blocks: int) -> tuple[torch.Tensor, ...]:
-    """(ids, positions, slots, lengths, table [rows, max_blocks]) of the packed inputs."""
-    parts = flat[: 4 * rows].view(4, rows).unbind(0)
-    return (*parts, flat[4 * rows :].view(rows, max_blocks))
 
 
 def graph_blockers(model: torch.nn.Module) -> list[str]:

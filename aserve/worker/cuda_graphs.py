@@ -119,7 +119,7 @@ class DecodeGraphs:
         self.backend = backend
         rows = self.sizes[-1]
         on_gpu = device.type == "cuda"
-        self.mirrored = on_gpu if mirror is None else mirror
+        mirrored = on_gpu if mirror is None else mirror
         # One tensor: [ids | positions | slots | lengths] (``rows`` each), then, when
         # mirrored, a staging area, then the table [rows, max_blocks]. The host mirror is
         # the first two parts: a step's header and its own table, packed ([n, width], its
@@ -127,18 +127,20 @@ class DecodeGraphs:
         # rows in place. Sending the table at its captured width instead would cost
         # max_model_len / block_size entries a row (16 MB a step at 256 rows of a 128k
         # context).
-        staging = rows * max_blocks if self.mirrored else 0
+        staging = rows * max_blocks if mirrored else 0
         self._inputs = torch.zeros(4 * rows + staging + rows * max_blocks, dtype=torch.long, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._inputs[: 4 * rows].view(4, rows).unbind(0)
         self.block_table = self._inputs[4 * rows + staging :].view(rows, max_blocks)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self._host = None
-        if self.mirrored:
+        if mirrored:
             self._host = torch.zeros(4 * rows + staging, dtype=torch.long, pin_memory=on_gpu)
             self._host[: 4 * rows].copy_(self._inputs[: 4 * rows])
+        # Where a step's header is written: the mirror, or the buffers themselves.
+        self._head = (self._inputs if self._host is None else self._host)[: 4 * rows].view(4, rows).unbind(0)
         # Recorded after each copy: the host mirror is not rewritten before the copy read it.
-        self._copied = torch.cuda.Event() if self.mirrored and on_gpu else None
+        self._copied = torch.cuda.Event() if mirrored and on_gpu else None
         self.sent_elements = 0  # int64s the last step sent to the device (the tests read it)
         self.replays: dict[int, Replay] = {}
         self.replayed = 0  # steps served by a graph (the tests and the start-up log read it)
@@ -178,8 +180,7 @@ class DecodeGraphs:
         rows = self.sizes[-1]
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy is done with the mirror
-        head = self._inputs if self._host is None else self._host
-        ids, pos, slots, lens = head[: 4 * rows].view(4, rows).unbind(0)
+        ids, pos, slots, lens = self._head
         ids[:n], pos[:n], slots[:n], lens[:n] = input_ids, positions, slot_mapping, seq_lens
         if size > n:  # padding rows: stored nowhere, one key each (a stale table row is a valid block)
             ids[n:size] = 0

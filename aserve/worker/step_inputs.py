@@ -38,14 +38,12 @@ class StepInputs:
         if any(t.dtype != torch.long for t in present):
             raise TypeError("StepInputs packs int64 tensors only")
         total = sum(t.numel() for t in present)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy is done with the host buffer
         if total > self._host.numel():
             size = max(total, 2 * self._host.numel(), 1024)
-            if self._copied is not None:
-                self._copied.synchronize()  # the old buffer may still be read by the last copy
             self._host = torch.empty(size, dtype=torch.long, pin_memory=self._pin)
             self._dev = torch.empty(size, dtype=torch.long, device=self.device)
-        elif self._copied is not None:
-            self._copied.synchronize()
         offset = 0
         spans = []
         for t in present:

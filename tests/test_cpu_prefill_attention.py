@@ -96,6 +96,7 @@ def sdpa(q, k, v, scale):
     ([57], 8, 2, 128),
     ([300], 2, 2, 256),
     ([600, 257], 4, 2, 64),           # several 256-key steps of the online softmax
+    ([256, 529], 2, 1, 64),           # a prompt of one whole key chunk, one past two
 ])
 def test_matches_the_exact_result_as_closely_as_sdpa(attend, set_threads, threads, lens, hq, hk, d):
     set_threads(threads)
@@ -123,9 +124,10 @@ def test_matches_the_exact_result_as_closely_as_sdpa(attend, set_threads, thread
 def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, threads):
     set_threads(threads)
     g = torch.Generator().manual_seed(11)
-    hq, hk, d, block, num_blocks = 8, 2, 64, 16, 64
-    # (cached tokens, chunk tokens): around block and tile edges, and one fresh prompt.
-    chunks = [(1, 1), (15, 2), (16, 17), (33, 40), (100, 5), (0, 9)]
+    hq, hk, d, block, num_blocks = 8, 2, 64, 16, 128
+    # (cached tokens, chunk tokens): around block and tile edges, across the kernels'
+    # 256-key chunks, and one fresh prompt.
+    chunks = [(1, 1), (15, 2), (16, 17), (33, 40), (100, 5), (0, 9), (250, 20), (240, 33), (512, 3)]
     cache = torch.randn(2, num_blocks, block, hk, d, generator=g).to(attend.dtype)
     perm = torch.randperm(num_blocks - 1, generator=g) + 1  # each request's blocks scattered, block 0 unused
     total = sum(n for _, n in chunks)
@@ -154,6 +156,27 @@ def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, t
         want = exact(q[s : s + n], k[s : s + n], v[s : s + n], scale, ctx_k, ctx_v)
         err = (out[s : s + n].double() - want).abs().max().item()
         assert err < tolerance(attend.dtype), (c, n, err)
+
+
+def test_a_maximum_that_grows_chunk_after_chunk(attend, set_threads):
+    """Keys whose scores grow with their position: each later key chunk raises every
+    row's maximum, so the output and sum so far are rescaled again and again (the online
+    softmax), and the later keys dominate; against float64."""
+    set_threads(1)
+    g = torch.Generator().manual_seed(3)
+    n, hq, hk, d = 900, 2, 1, 64
+    u = torch.randn(d, generator=g)
+    u *= 3 / u.norm()  # queries and keys share this direction, keys more of it the later they come
+    q = torch.randn(n, hq, d, generator=g) * 0.5 + u
+    k = torch.randn(n, hk, d, generator=g) * 0.3 + u * torch.linspace(0, 6, n).view(n, 1, 1)
+    v = torch.randn(n, hk, d, generator=g)
+    q, k, v = (t.to(attend.dtype) for t in (q, k, v))
+    out = torch.empty(n, hq, d, dtype=attend.dtype)
+    attend(q, k, v, out, [0], [n], d**-0.5)
+    want = exact(q, k, v, d**-0.5)
+    weights = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(hq // hk, 1))
+    assert weights[:, -1, -256:].max() > weights[:, -1, :256].max() + 10  # the last chunk's scores lead by far
+    assert (out.double() - want).abs().max().item() < tolerance(attend.dtype)
 
 
 def test_the_same_bits_for_any_thread_count(attend, set_threads):

@@ -10,13 +10,29 @@
  *     K^T in AMX's B layout (per block of 16 keys and 32 of D: 16 rows of dimension
  *     pairs by 16 keys), its values as B tiles of 32 keys (16 rows of key pairs) by 16
  *     of D; keys past the end are zeros;
- *   - for each query head of the group and each block of up to 16 query rows:
- *       S = Q K^T over the keys the rows can see (causal), in float32;
- *       P = softmax(S * scale) per row, in float32, rounded to bf16 (as torch's flash
- *           kernel feeds its second product), keys past a row's position 0;
- *       O = P V, in float32, divided by the row's sum (of the unrounded weights), bf16.
+ *   - for each query head of the group and each block of up to 32 query rows (two row
+ *     tiles), over the keys the block can see in chunks of KEY_CHUNK:
+ *       S = Q K^T for the chunk, in float32;
+ *       per row, the running maximum m (the scaled scores'), and when the chunk raises
+ *           it the row's output and sum so far scaled by 2^(m_old - m_new);
+ *       P = 2^(S * scale * log2(e) - m) rounded to bf16 (as torch's flash kernel feeds
+ *           its second product), keys past a row's position 0; the unrounded weights
+ *           added to the row's sum;
+ *       O += P V, O in float32 (loaded into the accumulator tiles and stored back);
+ *     then O divided by each row's sum, to bf16.
  * Scratch per task: the two layouts (2 x keys x D bf16, keys = context + chunk rounded
- * up to 32) and one row block's scores and weights.
+ * up to 32) and one row block's working set (block_scratch, ~90 KB).
+ *
+ * Why chunks of keys: the form before computed a block of 16 rows' scores over every key
+ * it could see, stored them (16 x keys floats: 130 KB at 2,048 keys, out of L1), and
+ * read them back twice for the softmax and once more as weights. The 152M model's shape
+ * (16 heads of 64, one prompt, two threads, the AMX host, medians of 16 calls): 2,048
+ * tokens 9.3-10.3 -> 8.3-9.1 ms, 4,096 36.9 -> 32.4-32.9, 8,192 171-173 -> 123-126
+ * (2026-12-04). Chunks of 128 and 512 keys were slower than 256 at 8,192 tokens (136-139
+ * and 134 ms); four score accumulators (two key blocks at a time) no faster than two.
+ * On this host a tile store costs about as much as a tile product (~13 cycles of the
+ * 2.6 GHz TSC each, measured alone), so Q K^T at D = 64 (two products a tile of scores,
+ * one store) is bound by stores as much as by the products.
  *
  * q, k, v, out: token t's head h at base + t * stride + h * D (D contiguous); chunk i
  * is tokens starts[i] .. starts[i] + lens[i] - 1, at positions ctx[i] .. (ctx NULL: 0).
@@ -26,6 +42,7 @@
  * through its row of block_tables ([n, max_blocks]). D a multiple of 32, at most 256.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,32 +52,180 @@
 
 #include "cpu_prefill_common.h"
 
+#define KEY_CHUNK 256                      /* keys a step of the online softmax */
+#define BLOCK_ROWS 32                      /* query rows a block: two row tiles */
+#define SCORE_STRIDE (KEY_CHUNK + 16)      /* floats; off a power of two, as row_width says */
+#define WEIGHT_STRIDE (KEY_CHUNK + 32)     /* bf16 */
+
+/* One row block's working set, reused by every block of a task. */
+typedef struct {
+    float s[BLOCK_ROWS * SCORE_STRIDE] __attribute__((aligned(64))); /* a chunk's scores */
+    uint16_t p[BLOCK_ROWS * WEIGHT_STRIDE] __attribute__((aligned(64))); /* its weights */
+    float o[BLOCK_ROWS * MAX_D] __attribute__((aligned(64)));        /* the rows' outputs, rows D apart */
+    float sum[BLOCK_ROWS * 16] __attribute__((aligned(64)));         /* per row, 16 lanes of its sum */
+    float m[BLOCK_ROWS];                                             /* per row, its scaled maximum */
+} block_scratch;
+
 /* 1 when this process may use AMX tiles (asks the kernel once; idempotent). */
 int aserve_amx_init(void) { return amx_request_tiles(); }
 
-/* Rows q0 .. q0 + rows - 1 of one query head (q: the chunk's first token, this head),
- * at positions ctx + q0 .. (each sees the keys up to its own position). */
-static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0, int rows,
-                      int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv, float *s,
-                      uint16_t *p, int64_t width) {
-    const int64_t DT = D / 16;
-    const int64_t seen = ctx + q0 + rows;           /* keys 0 .. seen - 1 (causal) */
-    const int64_t kblocks = (seen + 15) / 16, pblocks = (seen + 31) / 32;
-    amx_configure_rows(rows);
-    amx_scores(q + q0 * q_stride, q_stride, kt, D, kblocks, s, width); /* S = Q K^T; s is rows x width floats */
-    float inv_sum[16];
-    softmax_rows(s, p, rows, width, ctx, q0, pblocks, scale, inv_sum);
-    /* O = P V, then scaled and rounded into out. */
-    float o[16 * MAX_D] __attribute__((aligned(64)));
-    amx_values(p, width, vv, D, pblocks, o, D);
-    for (int i = 0; i < rows; i++)
-        for (int64_t t = 0; t < DT; t++) {
-            const __m512 r = _mm512_mul_ps(_mm512_load_ps(o + i * D + 16 * t), _mm512_set1_ps(inv_sum[i]));
-            _mm256_storeu_si256((__m256i *)(out + (q0 + i) * out_stride + 16 * t), to_bf16x16(r));
+/* The tiles of a block of rows0 + rows1 query rows (rows1 = 0: one row tile):
+ *   Q K^T:  0 and 2, the scores of row tiles 0 and 1; 4 and 5, their Q chunk 0; 1 and 3,
+ *           their Q chunk 1 (D = 64, kept for the whole chunk); 6 and 7, K^T blocks.
+ *   P V:    0, 1 (row tile 0) and 2, 3 (row tile 1), two column tiles of O; 4 and 5, the
+ *           row tiles' weights; 6 and 7, two V tiles. */
+static void configure_block(int rows0, int rows1) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)rows[t];
+        cfg.colsb[t] = rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* s (rows SCORE_STRIDE apart) = Q K^T for key blocks j0 .. j0 + kblocks - 1 (16 keys
+ * each); q: the block's first row, rows q_stride apart; two: a second row tile. */
+static inline void block_scores(const uint16_t *q, int64_t q_stride, int two, const uint32_t *kt, int64_t DC,
+                                int64_t j0, int64_t kblocks, float *s) {
+    const int keep = DC <= 2; /* Q's chunks stay in tiles 4, 5 (and 1, 3) */
+    const uint16_t *q1 = q + 16 * q_stride;
+    if (keep) {
+        _tile_loadd(4, q, q_stride * 2);
+        if (two) _tile_loadd(5, q1, q_stride * 2);
+        if (DC == 2) {
+            _tile_loadd(1, q + 32, q_stride * 2);
+            if (two) _tile_loadd(3, q1 + 32, q_stride * 2);
         }
+    }
+    for (int64_t j = 0; j < kblocks; j++) {
+        _tile_zero(0);
+        if (two) _tile_zero(2);
+        for (int64_t c = 0; c < DC; c++) {
+            const uint32_t *kb = kt + ((j0 + j) * DC + c) * 256;
+            if (!keep) {
+                _tile_loadd(4, q + 32 * c, q_stride * 2);
+                if (two) _tile_loadd(5, q1 + 32 * c, q_stride * 2);
+                _tile_loadd(6, kb, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) _tile_dpbf16ps(2, 5, 6);
+            } else if (c == 0) {
+                _tile_loadd(6, kb, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) _tile_dpbf16ps(2, 5, 6);
+            } else {
+                _tile_loadd(7, kb, 64);
+                _tile_dpbf16ps(0, 1, 7);
+                if (two) _tile_dpbf16ps(2, 3, 7);
+            }
+        }
+        _tile_stored(0, s + 16 * j, SCORE_STRIDE * 4);
+        if (two) _tile_stored(2, s + 16 * SCORE_STRIDE + 16 * j, SCORE_STRIDE * 4);
+    }
+}
+
+/* o (rows D apart, float32) += P V over value blocks b0 .. b0 + pblocks - 1 (32 keys
+ * each), p the weights (rows WEIGHT_STRIDE apart). Two column tiles at a time for both
+ * row tiles: each V tile serves two products, each weights tile two. */
+static inline void block_values(const uint16_t *p, int two, const uint32_t *vv, int64_t DT, int64_t b0,
+                                int64_t pblocks, float *o, int64_t D) {
+    float *o1 = o + 16 * D;
+    for (int64_t t = 0; t < DT; t += 2) {
+        _tile_loadd(0, o + 16 * t, D * 4);
+        _tile_loadd(1, o + 16 * t + 16, D * 4);
+        if (two) {
+            _tile_loadd(2, o1 + 16 * t, D * 4);
+            _tile_loadd(3, o1 + 16 * t + 16, D * 4);
+        }
+        for (int64_t b = 0; b < pblocks; b++) {
+            _tile_loadd(4, p + 32 * b, WEIGHT_STRIDE * 2);
+            _tile_loadd(6, vv + ((b0 + b) * DT + t) * 256, 64);
+            _tile_loadd(7, vv + ((b0 + b) * DT + t + 1) * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, p + 16 * WEIGHT_STRIDE + 32 * b, WEIGHT_STRIDE * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, o + 16 * t, D * 4);
+        _tile_stored(1, o + 16 * t + 16, D * 4);
+        if (two) {
+            _tile_stored(2, o1 + 16 * t, D * 4);
+            _tile_stored(3, o1 + 16 * t + 16, D * 4);
+        }
+    }
+}
+
+/* One row's step of the online softmax over a chunk: its n visible scores (n <= 0: it
+ * sees none of the chunk) -> its weights, zeros after them up to `padded` (a multiple of
+ * 32); its maximum *m (scaled by sc = scale * log2(e)), its 16-lane sum and its output
+ * orow (D floats) rescaled first when the chunk raises the maximum. */
+static inline void chunk_row(const float *srow, uint16_t *prow, int64_t n, int64_t padded, float sc, float *m,
+                             float *sum, float *orow, int64_t D) {
+    if (n <= 0) {
+        for (int64_t t = 0; t < padded; t += 16) _mm256_storeu_si256((__m256i *)(prow + t), _mm256_setzero_si256());
+        return;
+    }
+    const float mx = row_max(srow, n) * sc;
+    __m512 acc = _mm512_load_ps(sum);
+    if (mx > *m) {
+        const __m512 a = _mm512_set1_ps(exp2f(*m - mx)); /* 0 on the first chunk: m = -inf */
+        acc = _mm512_mul_ps(acc, a);
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(_mm512_load_ps(orow + d), a));
+        *m = mx;
+    }
+    _mm512_store_ps(sum, weights_row(srow, prow, n, padded, _mm512_set1_ps(sc), _mm512_set1_ps(*m), acc));
+}
+
+/* Rows q0 .. q0 + rows - 1 (rows <= BLOCK_ROWS) of one query head (q: the chunk's first
+ * token, this head), at positions ctx + q0 .. (each sees the keys up to its own). */
+static void row_block32(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0,
+                        int rows, int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv,
+                        void *work, int64_t width) {
+    (void)width;
+    block_scratch *w = (block_scratch *)work;
+    const int64_t DC = D / 32, DT = D / 16;
+    const int two = rows > 16;
+    configure_block(two ? 16 : rows, two ? rows - 16 : 0);
+    const int64_t first = ctx + q0, seen = first + rows; /* the last row sees keys 0 .. seen - 1 */
+    const float sc = scale * LOG2E;
+    for (int i = 0; i < rows; i++) {
+        w->m[i] = -INFINITY;
+        _mm512_store_ps(w->sum + 16 * i, _mm512_setzero_ps());
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(w->o + i * D + d, _mm512_setzero_ps());
+    }
+    const uint16_t *qb = q + q0 * q_stride;
+    for (int64_t k0 = 0; k0 < seen; k0 += KEY_CHUNK) {
+        const int64_t kn = seen - k0 < KEY_CHUNK ? seen - k0 : KEY_CHUNK; /* keys of the chunk the last row sees */
+        const int64_t pblocks = (kn + 31) / 32;
+        block_scores(qb, q_stride, two, kt, DC, k0 / 16, (kn + 15) / 16, w->s);
+        for (int i = 0; i < rows; i++) {
+            const int64_t n = first + i + 1 - k0;
+            chunk_row(w->s + i * SCORE_STRIDE, w->p + i * WEIGHT_STRIDE, n < kn ? n : kn, 32 * pblocks, sc, &w->m[i],
+                      w->sum + 16 * i, w->o + i * D, D);
+        }
+        block_values(w->p, two, vv, DT, k0 / 32, pblocks, w->o, D);
+    }
+    for (int i = 0; i < rows; i++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(w->sum + 16 * i)));
+        for (int64_t t = 0; t < DT; t++)
+            _mm256_storeu_si256((__m256i *)(out + (q0 + i) * out_stride + 16 * t),
+                                to_bf16x16(_mm512_mul_ps(_mm512_load_ps(w->o + i * D + 16 * t), inv)));
+    }
+}
+
+static size_t work_bytes(int64_t width) {
+    (void)width;
+    return sizeof(block_scratch);
 }
 
 static void release_tiles(void) { _tile_release(); }
+
+static const prefill_form FORM = {row_block32, BLOCK_ROWS, work_bytes, release_tiles};
 
 /* Returns 0, or -1 for a shape it does not take (D not a multiple of 32 or over MAX_D, Hq
  * not a multiple of Hk) or when scratch memory cannot be had. */
@@ -70,7 +235,7 @@ int aserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                              const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
                              int64_t max_blocks, int64_t block_size, int64_t stride_block, int64_t stride_token,
                              int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
-    return prefill_run(row_block, release_tiles, q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, lens,
-                       ctx, n_prompts, k_cache, v_cache, block_tables, max_blocks, block_size, stride_block,
-                       stride_token, Hq, Hk, D, scale, num_threads);
+    return prefill_run(&FORM, q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, lens, ctx, n_prompts,
+                       k_cache, v_cache, block_tables, max_blocks, block_size, stride_block, stride_token, Hq, Hk, D,
+                       scale, num_threads);
 }

@@ -1,7 +1,11 @@
 /* Causal attention of prefill chunks on CPU with AVX512-BF16 (vdpbf16ps), bf16: the AMX
  * kernel (cpu_prefill_attention.c, which says what is computed) for CPUs without AMX,
- * an AMD EPYC Zen 4 say. The key and value layouts, the softmax and the task loop are
- * the AMX kernel's (cpu_prefill_common.h); only the two products differ.
+ * an AMD EPYC Zen 4 say. The key and value layouts and the task loop are the AMX
+ * kernel's (cpu_prefill_common.h); its row blocks are the AMX kernel's earlier form: 16
+ * query rows, their scores over every key they see at once, then the softmax
+ * (softmax_rows), then the second product. (The AMX kernel now walks 32 rows' keys in
+ * chunks of 256 with an online softmax; this form has not been measured that way on a
+ * CPU of its kind.)
  *
  * Why: there torch's CPU flash kernel took 1.1 of a 152M model's 2.6 s prefill of 2,048
  * tokens (~47 GFLOP/s; the linear layers ran at ~430). Both products here are the bf16
@@ -23,8 +27,10 @@
 /* Rows q0 .. q0 + rows - 1 of one query head: cpu_prefill_attention.c's row_block, with
  * the products above. */
 static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0, int rows,
-                      int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv, float *s,
-                      uint16_t *p, int64_t width) {
+                      int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv, void *work,
+                      int64_t width) {
+    float *s = (float *)work;                               /* 16 x width scores */
+    uint16_t *p = (uint16_t *)((char *)work + 16 * width * 4); /* 16 x width weights */
     const int64_t DC = D / 32, DT = D / 16;
     const int64_t seen = ctx + q0 + rows; /* keys 0 .. seen - 1 (causal) */
     const int64_t kblocks = (seen + 15) / 16, pblocks = (seen + 31) / 32;
@@ -43,6 +49,11 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
                                 to_bf16x16(_mm512_mul_ps(_mm512_load_ps(o + i * D + 16 * t), inv)));
     }
 }
+
+/* A row block's scores (float) and weights (bf16), 16 rows of `width`. */
+static size_t work_bytes(int64_t width) { return (size_t)(16 * width * 6); }
+
+static const prefill_form FORM = {row_block, 16, work_bytes, NULL};
 #else
 #define PREFILL_AVX512_AVAILABLE 0
 #endif
@@ -57,7 +68,7 @@ int aserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                              int64_t max_blocks, int64_t block_size, int64_t stride_block, int64_t stride_token,
                              int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
 #if PREFILL_AVX512_AVAILABLE
-    return prefill_run(row_block, NULL, q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, lens, ctx,
+    return prefill_run(&FORM, q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, lens, ctx,
                        n_prompts, k_cache, v_cache, block_tables, max_blocks, block_size, stride_block, stride_token,
                        Hq, Hk, D, scale, num_threads);
 #else

@@ -198,20 +198,19 @@ static inline int64_t row_width(int64_t padded) { return padded + 32; }
 /* 2^y for the softmax weights, which are rounded to bf16 (8 bits of mantissa) before the
  * second product and summed in float32; the caller folds log2(e) into its scale, so the
  * scores become y in one fmsub. 2^y = 2^n * 2^r with n = round(y) and r = y - n (exact),
- * |r| <= 1/2, and 2^r by its degree-4 Taylor polynomial (relative error under 5e-5;
- * the bf16 rounding that follows is 2e-3). Seven operations after the fmsub, against
- * ten for e^x's range reduction and degree-5 polynomial. y is clamped at -150 (2^-150
- * is 0 in float), so a -inf score gives 0, not NaN. */
+ * |r| <= 1/2, and 2^r by a cubic fitted to it on that interval for the least relative
+ * error (7.5e-5 at most; the bf16 rounding that follows is 2e-3; the degree-4 Taylor
+ * polynomial it replaced, 4.2e-5, took one more FMA). y is clamped at -150 (2^-150 is 0
+ * in float), so a -inf score gives 0, not NaN. */
 #define LOG2E 1.44269504088896341f
 static inline __m512 exp2_weights(__m512 y) {
     y = _mm512_max_ps(y, _mm512_set1_ps(-150.0f));
     const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(0.0096181291f); /* ln2^4 / 24 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.0555041087f)); /* ln2^3 / 6 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402265070f)); /* ln2^2 / 2 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931471806f)); /* ln2 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(0.05517167f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24261115f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69326097f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.99992806f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -233,16 +232,10 @@ static inline float row_max(const float *row, int64_t n) {
     return m;
 }
 
-/* One row of softmax numerators: row[0 .. n) (float scores) -> prow (bf16 weights
- * e^((s - max) * scale), rounded; zeros after them up to `padded`, a multiple of 16).
- * Returns the sum of the unrounded weights; *m_scaled gets max * scale. */
-static inline float softmax_row(const float *row, uint16_t *prow, int64_t n, int64_t padded, float scale,
-                                float *m_scaled) {
-    const float m = row_max(row, n);
-    *m_scaled = m * scale;
-    /* e^((s - m) * scale) = 2^(s * c - m * c), c = scale * log2(e) */
-    const __m512 ms = _mm512_set1_ps(m * scale * LOG2E), sc = _mm512_set1_ps(scale * LOG2E);
-    __m512 acc = _mm512_setzero_ps();
+/* A row's weights: prow[0 .. n) = 2^(row * sc - ms) rounded to bf16 (n > 0), then zeros up
+ * to `padded` (a multiple of 16); returns *acc plus the unrounded weights, by lanes. */
+static inline __m512 weights_row(const float *row, uint16_t *prow, int64_t n, int64_t padded, __m512 sc, __m512 ms,
+                                 __m512 acc) {
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) {
         const __m512 e = exp2_weights(_mm512_fmsub_ps(_mm512_loadu_ps(row + t), sc, ms));
@@ -257,7 +250,19 @@ static inline float softmax_row(const float *row, uint16_t *prow, int64_t n, int
         t += 16;
     }
     for (; t < padded; t += 16) _mm256_storeu_si256((__m256i *)(prow + t), _mm256_setzero_si256());
-    return _mm512_reduce_add_ps(acc);
+    return acc;
+}
+
+/* One row of softmax numerators: row[0 .. n) (float scores) -> prow (bf16 weights
+ * e^((s - max) * scale), rounded; zeros after them up to `padded`, a multiple of 16).
+ * Returns the sum of the unrounded weights; *m_scaled gets max * scale. */
+static inline float softmax_row(const float *row, uint16_t *prow, int64_t n, int64_t padded, float scale,
+                                float *m_scaled) {
+    const float m = row_max(row, n);
+    *m_scaled = m * scale;
+    /* e^((s - m) * scale) = 2^(s * c - m * c), c = scale * log2(e) */
+    const __m512 ms = _mm512_set1_ps(m * scale * LOG2E), sc = _mm512_set1_ps(scale * LOG2E);
+    return _mm512_reduce_add_ps(weights_row(row, prow, n, padded, sc, ms, _mm512_setzero_ps()));
 }
 
 /* The softmax of a block of query rows between the two products: s (rows x width
@@ -272,23 +277,33 @@ static void softmax_rows(const float *s, uint16_t *p, int rows, int64_t width, i
     }
 }
 
-/* The including file's product of rows q0 .. q0 + rows - 1 (rows <= 16) of one query head:
- * see row_block in cpu_prefill_attention.c. */
+/* The including file's product of rows q0 .. q0 + rows - 1 (rows <= its block_rows) of one
+ * query head: see row_block in cpu_prefill_attention_avx512.c and row_block32 in
+ * cpu_prefill_attention.c. `work`: the task's scratch for it (work_bytes(width) bytes,
+ * 64-byte aligned), `width` the row stride for keys padded to 32 (row_width). */
 typedef void (*row_block_fn)(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0,
                              int rows, int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv,
-                             float *s, uint16_t *p, int64_t width);
+                             void *work, int64_t width);
+
+/* One form of the kernel for prefill_run: its row block, how many query rows it takes
+ * at a time, its scratch, and what each task's thread runs at the task's end (or NULL). */
+typedef struct {
+    row_block_fn row_block;
+    int block_rows;
+    size_t (*work_bytes)(int64_t width);
+    void (*task_done)(void);
+} prefill_form;
 
 /* The entry point's body (the kernels' aserve_prefill_attention, cpu_prefill_attention.c
- * says its arguments) over the including file's row_block, and task_done, run by each
- * task's thread at its end (or NULL). Returns 0, or -1 for a shape it does not take (D
- * not a multiple of 32 or over MAX_D, Hq not a multiple of Hk) or when scratch memory
- * cannot be had. */
-static int prefill_run(row_block_fn row_block, void (*task_done)(void), const uint16_t *q, int64_t q_stride,
-                       const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, uint16_t *out,
-                       int64_t out_stride, const int64_t *starts, const int64_t *lens, const int64_t *ctx,
-                       int64_t n_prompts, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int64_t *block_tables, int64_t max_blocks, int64_t block_size, int64_t stride_block,
-                       int64_t stride_token, int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
+ * says its arguments) over the including file's form. Returns 0, or -1 for a shape it
+ * does not take (D not a multiple of 32 or over MAX_D, Hq not a multiple of Hk) or when
+ * scratch memory cannot be had. */
+static int prefill_run(const prefill_form *form, const uint16_t *q, int64_t q_stride, const uint16_t *k,
+                       int64_t k_stride, const uint16_t *v, int64_t v_stride, uint16_t *out, int64_t out_stride,
+                       const int64_t *starts, const int64_t *lens, const int64_t *ctx, int64_t n_prompts,
+                       const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
+                       int64_t max_blocks, int64_t block_size, int64_t stride_block, int64_t stride_token,
+                       int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
     if (D % 32 || D > MAX_D || Hk < 1 || Hq % Hk) return -1;
     const int64_t group = Hq / Hk, tasks = n_prompts * Hk;
     int failed = 0;
@@ -298,15 +313,14 @@ static int prefill_run(row_block_fn row_block, void (*task_done)(void), const ui
         const int64_t c0 = ctx ? ctx[i] : 0, total = c0 + len;
         if (len <= 0) continue;
         const int64_t padded = (total + 31) / 32 * 32, width = row_width(padded);
-        /* kt, vv: padded x D bf16 each; s: 16 x width floats; p: 16 x width bf16. */
-        char *scratch = aligned_alloc(64, (size_t)(padded * D * 4 + 16 * width * 6));
+        /* kt, vv: padded x D bf16 each; then the row block's own scratch. */
+        char *scratch = aligned_alloc(64, (size_t)(padded * D * 4) + form->work_bytes(width));
         if (!scratch) {
             failed |= 1;
             continue;
         }
         uint32_t *kt = (uint32_t *)scratch, *vv = (uint32_t *)(scratch + padded * D * 2);
-        float *s = (float *)(scratch + padded * D * 4);
-        uint16_t *p = (uint16_t *)(scratch + padded * D * 4 + 16 * width * 4);
+        void *work = scratch + padded * D * 4;
         KeyRows ks = {k + start * k_stride + h * D, 2, k_stride, NULL, 0, 0, 0};
         KeyRows vs = {v + start * v_stride + h * D, 2, v_stride, NULL, 0, 0, 0};
         if (c0 > 0) {
@@ -318,11 +332,12 @@ static int prefill_run(row_block_fn row_block, void (*task_done)(void), const ui
         layout_values(&vs, total, D, vv);
         for (int64_t g = 0; g < group; g++) {
             const int64_t hq = h * group + g;
-            for (int64_t q0 = 0; q0 < len; q0 += 16)
-                row_block(q + start * q_stride + hq * D, q_stride, out + start * out_stride + hq * D, out_stride, q0,
-                          (int)(len - q0 < 16 ? len - q0 : 16), c0, D, scale, kt, vv, s, p, width);
+            for (int64_t q0 = 0; q0 < len; q0 += form->block_rows)
+                form->row_block(q + start * q_stride + hq * D, q_stride, out + start * out_stride + hq * D,
+                                out_stride, q0, (int)(len - q0 < form->block_rows ? len - q0 : form->block_rows), c0,
+                                D, scale, kt, vv, work, width);
         }
-        if (task_done) task_done();
+        if (form->task_done) form->task_done();
         free(scratch);
     }
     return failed ? -1 : 0;

@@ -27,7 +27,7 @@ static inline int amx_request_tiles(void) {
 }
 
 #if defined(__AMX_TILE__) && defined(__AVX512F__) /* a build with -mno-avx512f keeps AMX's macro */
-/* The attention kernels' tiles (cpu_prefill_attention.c, cpu_decode_prefix.h): 0, 3, 4
+/* The decode-prefix attention's tiles (cpu_decode_prefix.h, cpu_prefill_common.h): 0, 3, 4
  * and 5, float32 accumulators of `rows` x 16; 1, an A operand of `rows` x 32 bf16; 2, 6
  * and 7, B operands of 16 rows of bf16 pairs. For the calling thread (the state is per
  * thread). */

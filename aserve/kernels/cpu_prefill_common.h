@@ -1,8 +1,9 @@
 /* What the two prefill-attention kernels share: cpu_prefill_attention.c (AMX tiles) and
- * cpu_prefill_attention_avx512.c (AVX512-BF16), which differ only in how they compute the
- * two products of a block of query rows. The first says what the kernel computes and
- * why; this file holds the key and value layouts, the softmax between the products, and
- * the entry point's task loop, which calls the including file's row_block. */
+ * cpu_prefill_attention_avx512.c (AVX512-BF16). The first says what the kernel computes
+ * and why; this file holds the key and value layouts, the weights' exponential, the
+ * whole-row softmax of the AVX512-BF16 form's 16-row blocks (and of cpu_decode_prefix.h),
+ * and the entry point's task loop, which calls the including form's row block (the AMX
+ * form's walks 32 rows' keys in chunks, with an online softmax). */
 #ifndef ASERVE_CPU_PREFILL_COMMON_H
 #define ASERVE_CPU_PREFILL_COMMON_H
 
@@ -113,7 +114,8 @@ static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 /* The two products of a block of `rows` query rows on AMX tiles (amx_configure_rows(rows)
- * first), for cpu_prefill_attention.c and cpu_decode_prefix.h:
+ * first), over whole rows of scores, for cpu_decode_prefix.h (the prefill kernel's
+ * earlier row blocks; cpu_prefill_attention.c now has its own, over chunks of keys):
  *   amx_scores:  s[rows x 16 kblocks] (rows `width` floats apart) = Q K^T over the first
  *                16 * kblocks keys of kt (layout_keys), q's rows `q_stride` elements apart;
  *   amx_values:  o[rows x D] (float32, rows `ld` apart) = P V over the first 32 * pblocks

@@ -24,8 +24,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PREFILL_AVX512_AVAILABLE 1
 
-/* Rows q0 .. q0 + rows - 1 of one query head: cpu_prefill_attention.c's row_block, with
- * the products above. */
+/* Rows q0 .. q0 + rows - 1 (rows <= 16) of one query head: the scores over every key the
+ * rows see, the whole-row softmax (softmax_rows), then the weighted values, on the
+ * products above (the AMX kernel's row block before it walked keys in chunks). */
 static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0, int rows,
                       int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv, void *work,
                       int64_t width) {

@@ -10,9 +10,9 @@
  * memory. oneDNN's prepacked GEMM streamed them at ~12-15 GB/s on this machine's cores
  * (which read ~29 GB/s in a plain loop); here each thread reads its own contiguous
  * run of pre-tiled weights (from 2 MiB pages, see amx_linear.py) from start to end,
- * prefetching ahead (see PREFETCH_AHEAD_*): 25-26 GB/s at 32 rows, 28-31 GB/s at 8. At
- * 32 rows the tile arithmetic (~70 ns a block on one core) does not fully hide behind
- * the reads.
+ * prefetching ahead (see PREFETCH_AHEAD_* and prefetch_block_paced): over the 152M
+ * model's 12 layers (309 MB, so partly from the VM's L3), 26 GB/s at 32 rows, 31-33 GB/s
+ * at 1-8 (2026-12-04, the AMX machine, which read 30-32 GB/s in a plain loop).
  *
  * Weight layout (aserve_amx_pack): W is cut into blocks of 32 output columns (a
  * "pair" of 16-column tiles) by 32 of K; block (p, kc) is two 1 KiB B tiles, tile j
@@ -51,6 +51,34 @@
  * tile keeps the L1 prefetch. */
 #define PREFETCH_AHEAD_L1 4096
 #define PREFETCH_AHEAD_L2 8192
+
+/* Prefetches the 2 KiB block at p (32 lines) into L2 (l2 = 1) or L1, one line about
+ * every four cycles rather than all 32 back to back.
+ *
+ * Why paced: the same prefetches issued in a burst left the weight stream well below
+ * the plain read rate; spread out, it reads about as fast as a plain loop. A C loop of
+ * this kernel's shape over 512 MB (two threads, the AMX machine, 2026-12-04): 26-28 GB/s
+ * with the prefetches in bursts, 33-36 paced, 32 for a plain read. The kernel on the
+ * 152M model's four projections x 12 layers (309 MB, two threads, medians of 15 calls
+ * alternated with the burst form): 32 rows 13.8 -> 11.9 ms (the streaming tile loads
+ * below included), 24 rows 13.1 -> 11.2, 16 rows 11.9 -> 11.2, 8 rows 10.8 -> 10.0,
+ * 1 row 10.5 -> 9.4. Prefetch distances of 4-16 KiB, or L2 for one row tile, measured
+ * the same once paced.
+ * The pace is a dependency, not filler: each address waits on a multiply by an opaque 1
+ * (three cycles), which the compiler cannot fold. Nops between the prefetches gained as
+ * much at some code alignments and nothing at others (the same nops, -falign-loops=64
+ * or not); the multiply's latency does not depend on where the loop's code falls. */
+static inline __attribute__((always_inline)) void prefetch_block_paced(const char *p, const int l2) {
+    int64_t one = 1;
+    __asm__("" : "+r"(one)); /* opaque to the compiler: the multiply below stays */
+    for (int64_t l = 0; l < 2048;) {
+        if (l2)
+            _mm_prefetch(p + l, _MM_HINT_T2);
+        else
+            _mm_prefetch(p + l, _MM_HINT_T0);
+        l = (l + 64) * one;
+    }
+}
 
 /* 1 when this process may use AMX tiles (asks the kernel once; idempotent). */
 int aserve_amx_init(void) { return amx_request_tiles(); }
@@ -106,12 +134,21 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *x, 
     for (int64_t kc = kc0; kc < kc1; kc++) {
         const char *b = w + kc * 2048;
         if (stream && two)
-            for (int l = 0; l < 2048; l += 64) _mm_prefetch(b + PREFETCH_AHEAD_L2 + l, _MM_HINT_T2);
+            prefetch_block_paced(b + PREFETCH_AHEAD_L2, 1);
         else if (stream)
-            for (int l = 0; l < 2048; l += 64) _mm_prefetch(b + PREFETCH_AHEAD_L1 + l, _MM_HINT_T0);
+            prefetch_block_paced(b + PREFETCH_AHEAD_L1, 0);
         _tile_loadd(4, x + kc * 32, xs);
-        _tile_loadd(6, b, 64);
-        _tile_loadd(7, b + 1024, 64);
+        if (stream && two) {
+            /* Read once, so loaded with the non-temporal hint (tileloaddt1), which
+               leaves L1 to x's tiles, read again for every pair: with the paced
+               prefetch, the 12 layers above at 32 rows 12.0 -> 11.7 ms, at 24 rows
+               11.6 -> 11.2; no change at 16 rows or fewer. */
+            _tile_stream_loadd(6, b, 64);
+            _tile_stream_loadd(7, b + 1024, 64);
+        } else {
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + 1024, 64);
+        }
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {

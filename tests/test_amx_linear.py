@@ -91,6 +91,26 @@ def test_prefill_split_over_k_gives_the_bits_of_one_pass(amx, in_features):
     torch.testing.assert_close(prefill.float(), reference(x, w).float(), rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [33, 47, 100, 384])
+def test_a_large_weight_streamed_at_tens_of_rows_gives_the_bits_of_the_blocked_form(amx, rows, set_threads):
+    """On AMX, a weight of 4 MiB or more streams pair by pair at up to 384 rows (every
+    32-row block on a pair while it is in L2, the last block overlapping the one before
+    when the rows are not a multiple of 32); 385 rows and more take the blocked prefill
+    form. Each output keeps its order of sums either way, so the rows agree bit for bit,
+    whatever the thread count."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(400, 1024, generator=g).bfloat16()
+    w = (torch.randn(2048, 1024, generator=g) * 0.05).bfloat16()  # 4 MiB of bf16
+    packed = amx.pack(w)
+    blocked = amx.linear(x, packed, 2048)
+    outs = []
+    for threads in (1, 2, 3):
+        set_threads(threads)
+        outs.append(amx.linear(x[:rows], packed, 2048))
+    assert all(torch.equal(out, blocked[:rows]) for out in outs)
+    torch.testing.assert_close(blocked.float(), reference(x, w).float(), rtol=2**-7, atol=1e-2)
+
+
 @needs_amx
 @pytest.mark.parametrize("rows, inter, in_features", [(77, 96, 544), (33, 64, 2816), (300, 704, 256), (5, 32, 64),
                                                      (130, 2816, 1024)])

@@ -184,14 +184,40 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *x, 
 #define MIN_GROUP 8
 #define PANEL_CHUNKS 8
 
+/* Streaming (the weights from memory once, pair by pair, every row on each pair while
+ * it is in L2) serves every M up to 32, and M up to STREAM_MAX_ROWS on a weight of at
+ * least STREAM_MIN_BYTES; the blocked prefill form serves the rest. Why: the prefill
+ * form's first pass over a group reads its weights from memory in 16 KiB runs without
+ * prefetch, which costs little at thousands of rows and most of the time at tens. The
+ * 152M model's four projections x 12 layers (309 MB), two threads, the AMX machine,
+ * 2026-12-04, medians of 7 alternated runs (o_proj, 2 MiB, in the blocked form): 64 rows
+ * 27.4 -> 17.9 ms, 128 rows 35.3 -> 24.4, 256 rows 52.0 -> 42.3, 384 69.1 -> 59.1. All
+ * four streamed: 512 rows 83.0 -> 80.1 ms (o_proj and down_proj even there), 768 115.9
+ * -> 119.2, 1,024 146.8 -> 170.8; o_proj alone never gained (32 pairs for two threads).
+ * The 7M model's weights (at most 720 KB each, in cache from step to step, one thread)
+ * ran 10-20% slower streamed at 64-512 rows, hence the size floor. */
+#define STREAM_MAX_ROWS 384
+#define STREAM_MIN_BYTES (4 << 20)
+
+/* Pair p for all M rows (streaming): 32 rows at a time, the first 32 reading the pair's
+ * weights from memory with prefetch, the others from L2. When M is not a multiple of 32
+ * (and above it), the last block is rows [M - 32, M): it overlaps the one before, whose
+ * rows it writes again with the same bits, so the tiles keep one configuration. */
 static void decode_pairs(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
                          int64_t M, int64_t KC, int64_t p, int cfg[2]) {
-    const int rows0 = M > 16 ? 16 : (int)M, rows1 = M > 16 ? (int)M - 16 : 0;
+    const char *w = (const char *)(wp + p * KC * 1024);
+    const int rows = M < 32 ? (int)M : 32;
+    const int rows0 = rows > 16 ? 16 : rows, rows1 = rows > 16 ? rows - 16 : 0;
     if (rows0 != cfg[0] || rows1 != cfg[1]) configure(cfg[0] = rows0, cfg[1] = rows1);
-    if (M > 16)
-        pair_block(x, x_stride, (const char *)(wp + p * KC * 1024), y, y_stride, (int)M, 0, KC, KC, NULL, p, 1, 1);
-    else
-        pair_block(x, x_stride, (const char *)(wp + p * KC * 1024), y, y_stride, (int)M, 0, KC, KC, NULL, p, 0, 1);
+    if (rows <= 16) {
+        pair_block(x, x_stride, w, y, y_stride, rows, 0, KC, KC, NULL, p, 0, 1);
+        return;
+    }
+    pair_block(x, x_stride, w, y, y_stride, rows, 0, KC, KC, NULL, p, 1, 1);
+    for (int64_t m0 = 32; m0 < M; m0 += 32) {
+        const int64_t m = m0 + 32 <= M ? m0 : M - 32;
+        pair_block(x + m * x_stride, x_stride, w, y + m * y_stride, y_stride, 32, 0, KC, KC, NULL, p, 1, 0);
+    }
 }
 
 /* Pairs [p0, p1) for rows [m0, m1) (m0 a multiple of 32): for each 32-row chunk, every
@@ -236,9 +262,10 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
                       int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || K % 32 || N % 32) return -1;
     const int64_t pairs = N / 32, KC = K / 32;
-    /* Decode: an item is one pair, each weight read once from memory. Prefill: an item
-       is a (group, panel), group-major, so a thread's consecutive items share weights. */
-    const int prefill = M > 32;
+    /* Streaming (decode_pairs): an item is one pair, each weight read once from memory.
+       Prefill: an item is a (group, panel), group-major, so a thread's consecutive items
+       share weights. */
+    const int prefill = M > 32 && (M > STREAM_MAX_ROWS || N * K * 2 < STREAM_MIN_BYTES);
     int64_t group = GROUP_BYTES / ((KC > 0 ? KC : 1) * 2048); /* K = 0: zeros, one item a group */
     if (group < MIN_GROUP) group = MIN_GROUP;
     const int64_t groups = prefill ? (pairs + group - 1) / group : pairs;

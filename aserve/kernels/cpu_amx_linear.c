@@ -20,7 +20,7 @@
  * per 32-bit lane). The blocks are stored p-major, so the blocks of one pair (all of
  * K) are one contiguous run of 2 KiB x K/32.
  *
- * Threads: the work is cut into items (decode: one pair; prefill: a group of pairs for a
+ * Threads: the work is cut into items (streaming: one pair; prefill: a group of pairs for a
  * panel of rows, see GROUP_BYTES), split in contiguous ranges between `num_threads`
  * OpenMP threads, which take items from each other's ranges once their own are done
  * (work_next in cpu_kernels.h); each loads its own tile configuration (it depends on M)
@@ -109,9 +109,10 @@ static void configure(int rows0, int rows1) {
  * when kc0 = 0, else from `part` (32 x 32 floats, the earlier chunks' sums); they end in
  * y, rounded to bf16, when kc1 = KC, else in `part`. Either way each output is summed
  * over K in order, so a block split over K gives the bits of one that is not.
- * `stream` (decode: the weights come from memory once) prefetches ahead; prefill blocks
- * read weights that are already in L2, where the prefetches only took load slots
- * (M = 2064, K = 256, N = 1408, one thread: 1.59 -> 1.40 ms without). */
+ * `stream` (the first 32 rows of stream_pair: the weights come from memory once)
+ * prefetches ahead; the later rows of a streamed pair, and prefill blocks, read weights
+ * that are already in L2, where the prefetches only took load slots (M = 2064, K = 256,
+ * N = 1408, one thread: 1.59 -> 1.40 ms without). */
 static inline __attribute__((always_inline)) void pair_block(const uint16_t *x, int64_t x_stride, const char *w,
                                                              uint16_t *y, int64_t y_stride, int rows, int64_t kc0,
                                                              int64_t kc1, int64_t KC, float *part, int64_t p,
@@ -200,10 +201,10 @@ static inline __attribute__((always_inline)) void pair_block(const uint16_t *x, 
 #define STREAM_MIN_BYTES (4 << 20)
 
 /* Pair p for all M rows (streaming): 32 rows at a time, the first 32 reading the pair's
- * weights from memory with prefetch, the others from L2. When M is not a multiple of 32
- * (and above it), the last block is rows [M - 32, M): it overlaps the one before, whose
+ * weights from memory with prefetch, the others from L2. When M is more than 32 and not
+ * a multiple of it, the last block is rows [M - 32, M): it overlaps the one before, whose
  * rows it writes again with the same bits, so the tiles keep one configuration. */
-static void decode_pairs(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
+static void stream_pair(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
                          int64_t M, int64_t KC, int64_t p, int cfg[2]) {
     const char *w = (const char *)(wp + p * KC * 1024);
     const int rows = M < 32 ? (int)M : 32;
@@ -262,9 +263,9 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
                       int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || K % 32 || N % 32) return -1;
     const int64_t pairs = N / 32, KC = K / 32;
-    /* Streaming (decode_pairs): an item is one pair, each weight read once from memory.
-       Prefill: an item is a (group, panel), group-major, so a thread's consecutive items
-       share weights. */
+    /* Streaming (stream_pair): an item is one pair, each weight read once from memory.
+       Blocked (the prefill form, prefill_pairs): an item is a (group, panel),
+       group-major, so a thread's consecutive items share weights. */
     const int prefill = M > 32 && (M > STREAM_MAX_ROWS || N * K * 2 < STREAM_MIN_BYTES);
     int64_t group = GROUP_BYTES / ((KC > 0 ? KC : 1) * 2048); /* K = 0: zeros, one item a group */
     if (group < MIN_GROUP) group = MIN_GROUP;
@@ -286,7 +287,7 @@ int aserve_amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, u
         float *part = prefill && KC > K_BLOCK ? aligned_alloc(64, (size_t)group * 4096) : NULL;
         for (int64_t i; (i = work_next(ranges, t, num_threads)) >= 0;) {
             if (!prefill) {
-                decode_pairs(x, x_stride, wp, y, y_stride, M, KC, i, cfg);
+                stream_pair(x, x_stride, wp, y, y_stride, M, KC, i, cfg);
                 continue;
             }
             const int64_t g = i / panels, panel = i % panels;

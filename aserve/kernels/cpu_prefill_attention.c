@@ -28,8 +28,9 @@
  * read them back twice for the softmax and once more as weights. The 152M model's shape
  * (16 heads of 64, one prompt, two threads, the AMX host, medians of 16 calls): 2,048
  * tokens 9.4-10.0 -> 8.8-9.0 ms, 4,096 36.9 -> 32.4-32.9, 8,192 161-170 -> 120-127
- * (2026-12-04; docs/performance.md). Chunks of 128 and 512 keys were slower than 256 at 8,192 tokens (136-139
- * and 134 ms); four score accumulators (two key blocks at a time) no faster than two.
+ * (2026-12-04; docs/performance.md). Chunks of 128 and 512 keys were slower than 256
+ * at 8,192 tokens (136-139 and 134 ms); four score accumulators (two key blocks at a
+ * time) no faster than two.
  * On this host a tile store costs about as much as a tile product (~13 cycles of the
  * 2.6 GHz TSC each, measured alone), so Q K^T at D = 64 (two products a tile of scores,
  * one store) is bound by stores as much as by the products.

@@ -17,13 +17,3 @@ def test_the_line_names_the_flags_and_the_forms_each_cpu_kind_runs():
     assert "AMX bf16 linear" in amx and "gated MLP fused" in amx and "decode shared prefix" in amx
     old = describe(frozenset({"sse2"}), model="old")
     assert "no float32 linear or prefill attention kernel (needs AVX2 and FMA)" in old
-
-
-def test_amd_cpus_build_with_the_vendor_define():
-    """The decode attention prefetches into L2 on AMD (cbuild.vendor_flags): the define
-    comes from the vendor line, whatever model gcc takes the CPU for."""
-    from aserve.kernels.cbuild import vendor_flags
-
-    assert vendor_flags("vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n") == ("-DASERVE_CPU_AMD=1",)
-    assert vendor_flags("vendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n") == ()
-    assert vendor_flags("processor\t: 0\n") == ()

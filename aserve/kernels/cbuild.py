@@ -55,19 +55,6 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
     return None if line is None else frozenset(line.split(":", 1)[1].split())
 
 
-def vendor_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
-    """``-DASERVE_CPU_AMD=1`` on an AMD CPU (``vendor_id: AuthenticAMD``), for the few
-    choices measured to differ by vendor that ``-march=native`` does not tell apart
-    (gcc 12 builds a Zen 4 as ``znver3``): the decode attention's prefetch level."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ()
-    vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")), "")
-    return ("-DASERVE_CPU_AMD=1",) if vendor == "AuthenticAMD" else ()
-
-
 def build_ahead(source_path: Path, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
     """Build what :func:`build` would, now, saying nothing: for a thread that compiles a
     library while the caller does other work (``aserve.worker.worker``). Where there is
@@ -94,7 +81,7 @@ def build(source_path: Path, cache_dir: Path, what: str, extra_flags: tuple[str,
     # cpu_llama_decode.c compiles the others into its library.
     siblings = sorted(p for p in source_path.parent.iterdir() if p.suffix in (".c", ".h") and p != source_path)
     source = source_path.read_bytes() + b"".join(p.read_bytes() for p in siblings)
-    flags = (*FLAGS, *vendor_flags(), *extra_flags)
+    flags = (*FLAGS, *extra_flags)
     key = hashlib.sha256(source + " ".join(flags).encode() + cpu_key().encode()).hexdigest()[:16]
     target = cache_dir / f"{source_path.stem}_{key}.so"
     if target.is_file():

@@ -255,17 +255,13 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
 
 #define CHUNK 256
 #define AHEAD 32 /* tokens: how far ahead passes 1 and 3 prefetch */
-/* Where those prefetches bring the rows. Into L1 on the Intel machine (the figures
- * above). On an AMD EPYC Zen 4 (152M shape, 32 rows of 192 tokens, bf16 cache, two
- * threads, 12 layers cycled, 2026-12-02) L1 held the kernel at 1.9-2.0 ms a layer
- * (13 GB/s), L2 ran it at 1.1-1.3 ms (19-23 GB/s; 64 or 128 tokens ahead measured the
- * same as 32). cbuild.vendor_flags defines ASERVE_CPU_AMD; the AVX2 Zen 3 machine takes
- * it too, unmeasured there. */
-#ifdef ASERVE_CPU_AMD
+/* Where those prefetches bring the rows: into L2. On an AMD EPYC Zen 4 (152M shape, 32
+ * rows of 192 tokens, bf16 cache, two threads, 12 layers cycled, 2026-12-02) L1 held the
+ * kernel at 1.9-2.0 ms a layer (13 GB/s), L2 ran it at 1.1-1.3 ms (19-23 GB/s; 64 or 128
+ * tokens ahead measured the same as 32). On the AMX Intel machine (2026-12-05) L2 ran it
+ * at 951-1,029 us a layer against 1,088-1,094 with L1, the 7M shape the same either way,
+ * and the 152M decode step 3% faster (docs/performance.md). */
 #define KV_PREFETCH _MM_HINT_T1
-#else
-#define KV_PREFETCH _MM_HINT_T0
-#endif
 #define MAX_VEC (MAX_DIM / VL)
 #define MAX_GB 8 /* query heads per pass over a KV head's rows (see one_task_simd) */
 

@@ -2,7 +2,8 @@
 """The decode step against its floor (memory, or the linear layers' arithmetic), on this machine, now.
 
     python scripts/decode_roofline.py [--model bench-models/llama-152m] [--dtype bfloat16]
-                                      [--kv-cache-dtype auto|float32|bfloat16] [--repeats 3]
+                                      [--kv-cache-dtype auto|float32|bfloat16] [--block-size 16]
+                                      [--repeats 3]
 
 A decode step at batch 32 reads every weight once and every sequence's keys and
 values once; at these sizes that traffic, not arithmetic, bounds it. For each repeat
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=129)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *sorted(_SIZES)])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     args = parser.parse_args()
 
     from aserve import LLM
@@ -122,7 +124,8 @@ def main() -> None:
     times: dict[str, list[float]] = {"execute": [], "stack": []}
     with timed_calls(model_runner.ModelRunner, "execute_model", times["execute"]), \
             timed_calls(llama_decode.DecodeStack, "run", times["stack"]), \
-            LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=0) as llm:
+            LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                seed=0) as llm:
         measure(llm, args, times)
 
 

@@ -15,15 +15,17 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype,weight_size,kv_size", [
-    ("bfloat16", "auto", 2, 2),
-    ("float32", "bfloat16", 4, 2),  # --kv-cache-dtype: the keys and values at 2 bytes
+@pytest.mark.parametrize("dtype,kv_cache_dtype,weight_size,kv_size,block_size", [
+    ("bfloat16", "auto", 2, 2, "16"),
+    # --kv-cache-dtype: the keys and values at 2 bytes; a block size that splits the prompts
+    ("float32", "bfloat16", 4, 2, "4"),
 ])
-def test_reports_the_step_against_the_bytes_it_reads(llama_dir, dtype, kv_cache_dtype, weight_size, kv_size):
+def test_reports_the_step_against_the_bytes_it_reads(llama_dir, dtype, kv_cache_dtype, weight_size, kv_size,
+                                                      block_size):
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "decode_roofline.py"), "--model", str(llama_dir), "--batch", "4",
          "--prompt-len", "8", "--output-len", "5", "--repeats", "2", "--dtype", dtype,
-         "--kv-cache-dtype", kv_cache_dtype],
+         "--kv-cache-dtype", kv_cache_dtype, "--block-size", block_size],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
@@ -49,3 +51,13 @@ def test_reports_the_step_against_the_bytes_it_reads(llama_dir, dtype, kv_cache_
         floor_ms = max(weights_ms, compute_ms) + (memory_ms - weights_ms)
         assert abs(row["floor_ms"] - floor_ms) <= 0.01 * floor_ms and row["floor_ms"] >= 0.99 * memory_ms
         assert abs(row["step_over_floor"] - row["decode_step_ms"] / row["floor_ms"]) <= 0.02 * row["step_over_floor"]
+
+
+def test_hands_the_block_size_to_the_engine(llama_dir):
+    """--block-size reaches the engine's own check (a power of two)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "decode_roofline.py"), "--model", str(llama_dir), "--batch", "2",
+         "--prompt-len", "4", "--output-len", "2", "--repeats", "1", "--block-size", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode != 0 and "block_size must be a power of two, got 3" in out.stderr

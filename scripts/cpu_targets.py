@@ -23,8 +23,8 @@ first line printed is the CPU and its kernel-relevant flags, which every figure 
 from this output must name. ``--out`` keeps the raw rows; ``--from`` reads such a file
 back and prints the verdicts without measuring.
 
-Takes about 25 minutes a pair with vLLM installed (its servers start in about a minute
-each). Run nothing else meanwhile: two cores are the whole machine.
+One pair took 18 minutes on the AMX kind (2026-12-05; vLLM's servers take about a minute
+each to start). Run nothing else meanwhile: two cores are the whole machine.
 """
 
 from __future__ import annotations

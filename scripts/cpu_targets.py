@@ -40,9 +40,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from aserve.kernels.cbuild import cpu_flags  # noqa: E402
 from aserve.kernels.inventory import describe  # noqa: E402
+from bench_compare import Load  # noqa: E402
 
 
 def dtype_152m(flags: frozenset[str] | None) -> str:
@@ -53,9 +55,10 @@ def dtype_152m(flags: frozenset[str] | None) -> str:
 
 def loads(dtype: str) -> dict[str, str]:
     """The loads the targets read, by role, named as ``bench_compare.py --only`` takes them."""
-    return {"7m_c32": "7m-float32-c32", "7m_c1": "7m-float32-c1", "152m_c32": f"152m-{dtype}-c32",
-            "7m_long": "7m-float32-c4-in2048", "152m_long": f"152m-{dtype}-c4-in2048",
-            "152m_prefix": f"152m-{dtype}-c32-prefix1024"}
+    plan = {"7m_c32": Load("7m", "float32", 32), "7m_c1": Load("7m", "float32", 1),
+            "152m_c32": Load("152m", dtype, 32), "7m_long": Load("7m", "float32", 4, input_len=2048),
+            "152m_long": Load("152m", dtype, 4, input_len=2048), "152m_prefix": Load("152m", dtype, 32, prefix_len=1024)}
+    return {role: load.name for role, load in plan.items()}
 
 
 @dataclasses.dataclass

@@ -179,6 +179,30 @@ def test_a_maximum_that_grows_chunk_after_chunk(attend, set_threads):
     assert (out.double() - want).abs().max().item() < tolerance(attend.dtype)
 
 
+def test_a_chunk_far_above_the_maximum_so_far(attend, set_threads):
+    """Keys from 600 on score ~1,000 above the ones before (2^190 in weight, past
+    float32): the AMX kernel, which weighs a chunk against the maximum of the chunks
+    before while the chunk rises less than 2^16 above it, must find this chunk's maximum
+    and rescale; against float64 (an overflow would give inf or NaN)."""
+    set_threads(1)
+    g = torch.Generator().manual_seed(4)
+    n, hq, hk, d = 900, 2, 1, 64
+    u = torch.randn(d, generator=g)
+    u *= 6 / u.norm()
+    q = torch.randn(n, hq, d, generator=g) * 0.5 + u
+    k = torch.randn(n, hk, d, generator=g) * 0.3 + u * (torch.arange(n) >= 600).float().mul(30).view(n, 1, 1)
+    v = torch.randn(n, hk, d, generator=g)
+    q, k, v = (t.to(attend.dtype) for t in (q, k, v))
+    out = torch.empty(n, hq, d, dtype=attend.dtype)
+    attend(q, k, v, out, [0], [n], d**-0.5)
+    want = exact(q, k, v, d**-0.5)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(hq // hk, 1)) * d**-0.5
+    assert (scores[:, 700, 600:701].max(-1).values - scores[:, 700, :512].max(-1).values).min() > 100
+    assert torch.isfinite(out).all()
+    # float32 scores near 1,000 carry ~6e-5 of rounding, which the weights inherit.
+    assert (out.double() - want).abs().max().item() < tolerance(attend.dtype) * (1 if attend.dtype == torch.bfloat16 else 5)
+
+
 def test_the_same_bits_for_any_thread_count(attend, set_threads):
     """Each query row is one work item's, summed in a fixed order: the thread count does
     not change a bit (what TP ranks and repeated runs rely on)."""

@@ -23,6 +23,11 @@ first line printed is the CPU and its kernel-relevant flags, which every figure 
 from this output must name. ``--out`` keeps the raw rows; ``--from`` reads such a file
 back and prints the verdicts without measuring.
 
+After the verdicts it prints the 152M c = 32 load's floor on this machine
+(:func:`load_floor`): the output tokens/s no server could beat at this machine's GEMM
+and read rates, and where aserve, vLLM and the 1.5x target stand against it. Where
+1.5x vLLM is most of the floor, the target asks for more than the hardware leaves.
+
 One pair took 18 minutes on the AMX kind (2026-12-05; vLLM's servers take about a minute
 each to start). Run nothing else meanwhile: two cores are the whole machine.
 """
@@ -123,6 +128,36 @@ def evaluate(rows: dict[str, list[dict]], decode: list[dict], prefill: list[dict
     return out
 
 
+def load_floor(decode_row: dict, input_len: int = 128, output_len: int = 128) -> float:
+    """Output tokens/s of the 152M load at concurrency 32 (``input_len`` in,
+    ``output_len`` out) at this machine's floor, from one ``decode_roofline.py`` line
+    measured at that load's shape (its batch of 32 rows at the same mean context).
+
+    Each output token costs its decode step's floor over the batch (the larger of the
+    weights' read and the linear layers' arithmetic, plus the keys and values read); each
+    prompt token the linear layers' arithmetic alone at the machine's GEMM rate. Left out,
+    so that the floor stays a bound: prefill attention, the KV writes, the LM head's
+    saving on prompt tokens (it runs once a prompt; 0.3% of the 152M's weights), and any
+    time between steps."""
+    batch = decode_row.get("batch", 32)
+    per_output_ms = decode_row["floor_ms"] / batch + input_len / output_len * decode_row["linear_compute_ms"] / batch
+    return 1000.0 / per_output_ms
+
+
+def floor_line(rows: dict[str, list[dict]], decode: list[dict], dtype: str) -> str | None:
+    """The 152M c = 32 load against its floor (medians over the runs), or None where
+    either side was not measured."""
+    pairs = _pairs(rows, loads(dtype)["152m_c32"])
+    floors = [load_floor(r) for r in decode if "floor_ms" in r and "linear_compute_ms" in r]
+    if not pairs or not floors:
+        return None
+    floor = statistics.median(floors)
+    ours = statistics.median(a["output_throughput"] for a, _ in pairs)
+    theirs = statistics.median(v["output_throughput"] for _, v in pairs)
+    return (f"152M {dtype} c=32 load floor on this machine: {floor:.0f} output tok/s; aserve {ours / floor:.2f}, "
+            f"vLLM {theirs / floor:.2f} of it; 1.5x vLLM would be {1.5 * theirs / floor:.2f} of it")
+
+
 def _json_lines(cmd: list[str]) -> list[dict]:
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -172,6 +207,9 @@ def main() -> None:
     for verdict in evaluate(result["rows"], result["decode_roofline"], result["prefill_roofline"],
                             result["dtype_152m"]):
         print(verdict.line())
+    line = floor_line(result["rows"], result["decode_roofline"], result["dtype_152m"])
+    if line:
+        print(line)
 
 
 if __name__ == "__main__":

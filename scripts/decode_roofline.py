@@ -161,6 +161,7 @@ def measure(llm, args: argparse.Namespace, times: dict[str, list[float]]) -> Non
         floor = max(weights / (rate * 1e9), compute) + kv / (rate * 1e9)
         print(json.dumps({
             "read_gb_s": round(rate, 1), "gemm_gflops": float(f"{flops_rate:.4g}"), "threads": threads,
+            "batch": args.batch, "prompt_len": args.prompt_len, "output_len": args.output_len,
             "weight_bytes": int(weights), "kv_bytes": int(kv), "memory_floor_ms": round(memory_floor * 1e3, 4),
             "linear_compute_ms": round(compute * 1e3, 6),
             "floor_ms": round(floor * 1e3, 6), "decode_step_ms": round(step * 1e3, 3),

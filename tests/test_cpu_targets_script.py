@@ -38,7 +38,8 @@ def _result(dtype: str) -> dict:
         name["152m_long"]: [{"aserve": _row(50, 44, 1100), "vllm": _row(42, 61, 1600)}],
     }
     return {"cpu": "CPU: test; flags: avx2 fma", "dtype_152m": dtype, "rows": rows,
-            "decode_roofline": [{"step_over_floor": 1.32}, {"step_over_floor": 1.36}],
+            "decode_roofline": [{"step_over_floor": 1.32, "batch": 32, "floor_ms": 28.0, "linear_compute_ms": 22.0},
+                                {"step_over_floor": 1.36, "floor_ms": 30.0, "linear_compute_ms": 20.0}],
             "prefill_roofline": [{"prefill_over_gemm_rate": 0.52}, {"prefill_over_gemm_rate": 0.8}]}
 
 
@@ -80,7 +81,7 @@ def test_prints_the_verdicts_of_a_saved_run(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "CPU: test; flags: avx2 fma"
-    assert len(lines) == 1 + 9
+    assert len(lines) == 1 + 9 + 1
     assert "152M float32 c=32 output tok/s, at least 1.5x: 1.60, 1.48 x vLLM (median 1.54): not met" in lines
 
 
@@ -88,3 +89,20 @@ def test_refuses_to_measure_without_the_peer(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "--vllm-venv", str(tmp_path / "none")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no vLLM at" in out.stderr
+
+
+def test_the_load_floor_counts_each_output_token_a_decode_floor_and_each_prompt_token_its_products():
+    m = _module()
+    row = {"batch": 32, "floor_ms": 28.0, "linear_compute_ms": 22.0}
+    # 128 in / 128 out: (28 + 22) ms for 32 output tokens.
+    assert m.load_floor(row) == 1000 * 32 / 50
+    # Twice the prompt per output token doubles the prefill's share; a row without its
+    # batch (older decode_roofline.py lines) is read as 32 rows.
+    assert m.load_floor({"floor_ms": 28.0, "linear_compute_ms": 22.0}, input_len=256) == 1000 * 32 / 72
+    result = _result("bfloat16")
+    # Floors 640 and 640 tok/s (30 + 20 ms too); aserve's median 770, vLLM's 500.
+    line = m.floor_line(result["rows"], result["decode_roofline"], "bfloat16")
+    assert line == ("152M bfloat16 c=32 load floor on this machine: 640 output tok/s; aserve 1.20, vLLM 0.78 of it; "
+                    "1.5x vLLM would be 1.17 of it")
+    assert m.floor_line(result["rows"], [{"step_over_floor": 1.3}], "bfloat16") is None
+    assert m.floor_line({}, result["decode_roofline"], "bfloat16") is None

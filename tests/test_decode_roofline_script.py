@@ -41,6 +41,7 @@ def test_reports_the_step_against_the_bytes_it_reads(llama_dir, dtype, kv_cache_
         assert row["weight_bytes"] == weight_size * numel
         assert row["kv_bytes"] == 4 * (8 + 5 / 2) * kv_per_token  # batch x the mean context
         assert row["read_gb_s"] > 0 and row["decode_step_ms"] > 0
+        assert (row["batch"], row["prompt_len"], row["output_len"]) == (4, 8, 5)  # the shape the figures are of
         # The read rate is printed to 0.1 GB/s, the GEMM rate to 4 significant figures (a plain
         # bf16 product on an AVX2 CPU runs at a few tens of GFLOP/s), the ratio to 0.01.
         memory_ms = (row["weight_bytes"] + row["kv_bytes"]) / (row["read_gb_s"] * 1e9) * 1e3

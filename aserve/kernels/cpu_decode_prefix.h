@@ -108,7 +108,7 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
         amx_configure_rows(rows);
         amx_scores(qb, D, kt, D, kblocks, s, width); /* S = Q K^T */
 #else
-        pa_product(qb, D, rows, kt, kblocks, D / 32 * 256, 256, D / 2, s, width);
+        pa_product(qb, D, rows, kt, kblocks, D / 32 * 256, 256, D / 2, s, width, 1);
 #endif
         for (int i = 0; i < rows; i++) { /* softmax numerators, the max and the sum kept */
             const int64_t at = (r0 + i) / G * a->Hq + hk * G + (r0 + i) % G;
@@ -118,7 +118,7 @@ static int prefix_head(const Args *a, int64_t hk, int64_t T, float *pm, float *p
 #ifdef PREFIX_TILES
         amx_values(p, width, vv, D, pblocks, o, D);
 #else
-        pa_product(p, width, rows, vv, DT, 256, DT * 256, 16 * pblocks, o, D);
+        pa_product(p, width, rows, vv, DT, 256, DT * 256, 16 * pblocks, o, D, 1);
 #endif
         for (int i = 0; i < rows; i++) {
             const int64_t at = (r0 + i) / G * a->Hq + hk * G + (r0 + i) % G;

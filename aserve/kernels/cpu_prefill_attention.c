@@ -168,48 +168,6 @@ static inline void block_values(const uint16_t *p, int two, const uint32_t *vv, 
     }
 }
 
-/* How far (in powers of two) a chunk's scores may rise above a row's running maximum
- * and still be weighted against it: weights up to 2^16, which bf16 and the float32 sums
- * hold without loss. */
-#define HEADROOM 16.0f
-
-/* One row's step of the online softmax over a chunk: its n visible scores (n <= 0: it
- * sees none of the chunk) -> its weights, zeros after them up to `padded` (a multiple of
- * 32); its running maximum *m (scaled by sc = scale * log2(e)), its 16-lane sum and its
- * output orow (D floats), rescaled when *m moves.
- *
- * After a row's first chunk the weights are taken against the maximum so far, in one
- * pass over the scores; only when some score rises more than HEADROOM above it is the
- * chunk's maximum found and the row rescaled, and its weights taken again. A weight's
- * rounding to bf16 is relative, so a reference below the true maximum loses nothing.
- * Why: finding every chunk's maximum first (a pass over its scores, a reduction across
- * lanes, a scalar exp2 whenever it rose) was an eighth of the kernel. */
-static inline void chunk_row(const float *srow, uint16_t *prow, int64_t n, int64_t padded, float sc, float *m,
-                             float *sum, float *orow, int64_t D) {
-    if (n <= 0) {
-        for (int64_t t = 0; t < padded; t += 16) _mm256_storeu_si256((__m256i *)(prow + t), _mm256_setzero_si256());
-        return;
-    }
-    __m512 acc = _mm512_load_ps(sum);
-    const __m512 scv = _mm512_set1_ps(sc);
-    if (*m != -INFINITY) {
-        __m512 ymax;
-        const __m512 lazy = weights_row(srow, prow, n, padded, scv, _mm512_set1_ps(*m), acc, &ymax);
-        if (!_mm512_cmp_ps_mask(ymax, _mm512_set1_ps(HEADROOM), _CMP_GT_OQ)) {
-            _mm512_store_ps(sum, lazy);
-            return;
-        }
-    }
-    const float mx = row_max(srow, n) * sc;
-    if (mx > *m) {
-        const __m512 a = _mm512_set1_ps(exp2f(*m - mx)); /* 0 on the first chunk: m = -inf */
-        acc = _mm512_mul_ps(acc, a);
-        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(_mm512_load_ps(orow + d), a));
-        *m = mx;
-    }
-    _mm512_store_ps(sum, weights_row(srow, prow, n, padded, scv, _mm512_set1_ps(*m), acc, NULL));
-}
-
 /* Rows q0 .. q0 + rows - 1 (rows <= BLOCK_ROWS) of one query head (q: the chunk's first
  * token, this head), at positions ctx + q0 .. (each sees the keys up to its own). */
 static void row_block32(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0,

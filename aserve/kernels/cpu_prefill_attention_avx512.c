@@ -1,11 +1,9 @@
 /* Causal attention of prefill chunks on CPU with AVX512-BF16 (vdpbf16ps), bf16: the AMX
  * kernel (cpu_prefill_attention.c, which says what is computed) for CPUs without AMX,
- * an AMD EPYC Zen 4 say. The key and value layouts and the task loop are the AMX
- * kernel's (cpu_prefill_common.h); its row blocks are the AMX kernel's earlier form: 16
- * query rows, their scores over every key they see at once, then the softmax
- * (softmax_rows), then the second product. (The AMX kernel now walks 32 rows' keys in
- * chunks of 256 with an online softmax; this form has not been measured that way on a
- * CPU of its kind.)
+ * an AMD EPYC Zen 4 say. The key and value layouts, the task loop and the online
+ * softmax's row step (chunk_row) are the AMX kernel's (cpu_prefill_common.h), and so is
+ * the row block's walk: 32 query rows, their keys in chunks of 256, per chunk the scores,
+ * each row's softmax step, and the weighted values added to the rows' outputs.
  *
  * Why: there torch's CPU flash kernel took 1.1 of a 152M model's 2.6 s prefill of 2,048
  * tokens (~47 GFLOP/s; the linear layers ran at ~430). Both products here are the bf16
@@ -14,6 +12,9 @@
  * vdpbf16ps operands.
  *   S = Q K^T: the outputs are keys (tiles of 16 keys), summed over D;
  *   O = P V:   the outputs are D (tiles of 16 columns), summed over the keys.
+ * Why chunks: the form before took 16 rows' scores over every key they see at once
+ * (16 x 2,048 floats at 2,048 tokens, out of L1), then read them back for the softmax
+ * and as weights (docs/performance.md, the AVX-512 section, for the measurements).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -24,37 +25,66 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PREFILL_AVX512_AVAILABLE 1
 
-/* Rows q0 .. q0 + rows - 1 (rows <= 16) of one query head: the scores over every key the
- * rows see, the whole-row softmax (softmax_rows), then the weighted values, on the
- * products above (the AMX kernel's row block before it walked keys in chunks). */
+#define KEY_CHUNK 256                 /* keys a step of the online softmax */
+#define BLOCK_ROWS 32                 /* query rows a block */
+#define SCORE_STRIDE (KEY_CHUNK + 16) /* floats; off a power of two (row_width says why) */
+#define WEIGHT_STRIDE (KEY_CHUNK + 32) /* bf16 */
+
+/* One row block's working set, reused by every block of a task. */
+typedef struct {
+    float s[BLOCK_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));     /* a chunk's scores */
+    uint16_t p[BLOCK_ROWS * WEIGHT_STRIDE] __attribute__((aligned(64))); /* its weights */
+    float o[BLOCK_ROWS * MAX_D] __attribute__((aligned(64)));            /* the rows' outputs, rows D apart */
+    float sum[BLOCK_ROWS * 16] __attribute__((aligned(64)));             /* per row, 16 lanes of its sum */
+    float m[BLOCK_ROWS];                                                 /* per row, its scaled maximum */
+} block_scratch;
+
+/* Rows q0 .. q0 + rows - 1 (rows <= BLOCK_ROWS) of one query head, at positions ctx + q0
+ * .. (each sees the keys up to its own), over their keys in chunks of KEY_CHUNK: per
+ * chunk, S = Q K^T (pa_product), each row's step of the online softmax (chunk_row), and O
+ * += P V (pa_product adding to O), then O divided by each row's sum. */
 static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_t out_stride, int64_t q0, int rows,
                       int64_t ctx, int64_t D, float scale, const uint32_t *kt, const uint32_t *vv, void *work,
                       int64_t width) {
-    float *s = (float *)work;                               /* 16 x width scores */
-    uint16_t *p = (uint16_t *)((char *)work + 16 * width * 4); /* 16 x width weights */
+    (void)width;
+    block_scratch *w = (block_scratch *)work;
     const int64_t DC = D / 32, DT = D / 16;
-    const int64_t seen = ctx + q0 + rows; /* keys 0 .. seen - 1 (causal) */
-    const int64_t kblocks = (seen + 15) / 16, pblocks = (seen + 31) / 32;
-    /* S = Q K^T: tiles of 16 keys (DC * 256 words apart), D / 2 pairs (chunks 256 apart). */
-    pa_product(q + q0 * q_stride, q_stride, rows, kt, kblocks, DC * 256, 256, D / 2, s, width);
-    float inv_sum[16];
-    softmax_rows(s, p, rows, width, ctx, q0, pblocks, scale, inv_sum);
-    /* O = P V: tiles of 16 columns of D (256 words apart), 16 pblocks key pairs (chunks
-       of 32 keys DT * 256 apart). */
-    float o[16 * MAX_D] __attribute__((aligned(64)));
-    pa_product(p, width, rows, vv, DT, 256, DT * 256, 16 * pblocks, o, D);
+    const int64_t first = ctx + q0, seen = first + rows; /* the last row sees keys 0 .. seen - 1 */
+    const float sc = scale * LOG2E;
     for (int i = 0; i < rows; i++) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+        w->m[i] = -INFINITY;
+        _mm512_store_ps(w->sum + 16 * i, _mm512_setzero_ps());
+    }
+    const uint16_t *qb = q + q0 * q_stride;
+    for (int64_t k0 = 0; k0 < seen; k0 += KEY_CHUNK) {
+        const int64_t kn = seen - k0 < KEY_CHUNK ? seen - k0 : KEY_CHUNK; /* keys of the chunk the last row sees */
+        const int64_t kblocks = (kn + 15) / 16, pblocks = (kn + 31) / 32;
+        /* S: tiles of 16 keys (DC * 256 words apart) from the chunk's first, D / 2 pairs. */
+        pa_product(qb, q_stride, rows, kt + (k0 / 16) * DC * 256, kblocks, DC * 256, 256, D / 2, w->s, SCORE_STRIDE, 1);
+        for (int i = 0; i < rows; i++) {
+            const int64_t n = first + i + 1 - k0;
+            chunk_row(w->s + i * SCORE_STRIDE, w->p + i * WEIGHT_STRIDE, n < kn ? n : kn, 32 * pblocks, sc, &w->m[i],
+                      w->sum + 16 * i, w->o + i * D, D);
+        }
+        /* O (+)= P V: tiles of 16 columns of D (256 words apart), the chunk's 16 pblocks key
+           pairs (chunks of 32 keys DT * 256 apart); the first chunk writes O. */
+        pa_product(w->p, WEIGHT_STRIDE, rows, vv + (k0 / 32) * DT * 256, DT, 256, DT * 256, 16 * pblocks, w->o, D,
+                   k0 == 0);
+    }
+    for (int i = 0; i < rows; i++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(w->sum + 16 * i)));
         for (int64_t t = 0; t < DT; t++)
             _mm256_storeu_si256((__m256i *)(out + (q0 + i) * out_stride + 16 * t),
-                                to_bf16x16(_mm512_mul_ps(_mm512_load_ps(o + i * D + 16 * t), inv)));
+                                to_bf16x16(_mm512_mul_ps(_mm512_load_ps(w->o + i * D + 16 * t), inv)));
     }
 }
 
-/* A row block's scores (float) and weights (bf16), 16 rows of `width`. */
-static size_t work_bytes(int64_t width) { return (size_t)(16 * width * 6); }
+static size_t work_bytes(int64_t width) {
+    (void)width;
+    return sizeof(block_scratch);
+}
 
-static const prefill_form FORM = {row_block, 16, work_bytes, NULL};
+static const prefill_form FORM = {row_block, BLOCK_ROWS, work_bytes, NULL};
 #else
 #define PREFILL_AVX512_AVAILABLE 0
 #endif

@@ -1,9 +1,9 @@
 /* What the two prefill-attention kernels share: cpu_prefill_attention.c (AMX tiles) and
  * cpu_prefill_attention_avx512.c (AVX512-BF16). The first says what the kernel computes
  * and why; this file holds the key and value layouts, the weights' exponential, the
- * whole-row softmax of the AVX512-BF16 form's 16-row blocks (and of cpu_decode_prefix.h),
- * and the entry point's task loop, which calls the including form's row block (the AMX
- * form's walks 32 rows' keys in chunks, with an online softmax). */
+ * online softmax's row step over a chunk of keys (chunk_row: both forms' row blocks walk
+ * 32 rows' keys in chunks), the whole-row softmax of cpu_decode_prefix.h, and the entry
+ * point's task loop, which calls the including form's row block. */
 #ifndef ASERVE_CPU_PREFILL_COMMON_H
 #define ASERVE_CPU_PREFILL_COMMON_H
 
@@ -95,9 +95,9 @@ static void layout_values(const KeyRows *v, int64_t len, int64_t D, uint32_t *vv
  * and cpu_decode_prefix.h on CPUs without AMX): out[rows, 16 * tiles] = A[rows, 2 KP] . B,
  * in blocks of 6 rows by 4 tiles (cpu_bf16_block.h): tile t's chunk 0 at
  * b + t * tile_stride, chunks chunk_stride apart (32-bit words, as the layouts count
- * them); KP a multiple of 16. */
+ * them); KP a multiple of 16. `first`: 1 to write out, 0 to add to it. */
 static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t *b, int64_t tiles,
-                       int64_t tile_stride, int64_t chunk_stride, int64_t KP, float *out, int64_t ld) {
+                       int64_t tile_stride, int64_t chunk_stride, int64_t KP, float *out, int64_t ld, int first) {
     prefetch_run none = {NULL, NULL, 0, 0, 0};
     for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
         const int nt = (int)(tiles - t0 < 4 ? tiles - t0 : 4);
@@ -106,7 +106,7 @@ static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t 
         for (int r0 = 0; r0 < rows; r0 += 6) {
             const int mr = rows - r0 < 6 ? rows - r0 : 6;
             BF16_BLOCK_TABLE[mr - 1][nt - 1](a + r0 * lda, lda, tile, 2 * chunk_stride, 0, KP / 16,
-                                             out + r0 * ld + 16 * t0, ld, 1, &none);
+                                             out + r0 * ld + 16 * t0, ld, first, &none);
         }
     }
 }
@@ -308,12 +308,54 @@ static inline float softmax_row(const float *row, uint16_t *prow, int64_t n, int
  * floats, the scores of keys 0 .. ctx + q0 + i for row i) -> p (rows x width bf16, the
  * weights rounded, zeros past each row's last key up to 32 * pblocks), and inv_sum (1 / the
  * sum of each row's unrounded weights). */
-static void softmax_rows(const float *s, uint16_t *p, int rows, int64_t width, int64_t ctx, int64_t q0,
-                         int64_t pblocks, float scale, float *inv_sum) {
+static inline void softmax_rows(const float *s, uint16_t *p, int rows, int64_t width, int64_t ctx, int64_t q0,
+                                int64_t pblocks, float scale, float *inv_sum) {
     for (int i = 0; i < rows; i++) {
         float m;
         inv_sum[i] = 1.0f / softmax_row(s + i * width, p + i * width, ctx + q0 + i + 1, 32 * pblocks, scale, &m);
     }
+}
+
+/* How far (in powers of two) a chunk's scores may rise above a row's running maximum
+ * and still be weighted against it: weights up to 2^16, which bf16 and the float32 sums
+ * hold without loss. */
+#define HEADROOM 16.0f
+
+/* One row's step of the online softmax over a chunk of keys (both forms' row blocks): its n visible scores (n <= 0: it
+ * sees none of the chunk) -> its weights, zeros after them up to `padded` (a multiple of
+ * 32); its running maximum *m (scaled by sc = scale * log2(e)), its 16-lane sum and its
+ * output orow (D floats), rescaled when *m moves.
+ *
+ * After a row's first chunk the weights are taken against the maximum so far, in one
+ * pass over the scores; only when some score rises more than HEADROOM above it is the
+ * chunk's maximum found and the row rescaled, and its weights taken again. A weight's
+ * rounding to bf16 is relative, so a reference below the true maximum loses nothing.
+ * Why: finding every chunk's maximum first (a pass over its scores, a reduction across
+ * lanes, a scalar exp2 whenever it rose) was an eighth of the kernel. */
+static inline void chunk_row(const float *srow, uint16_t *prow, int64_t n, int64_t padded, float sc, float *m,
+                             float *sum, float *orow, int64_t D) {
+    if (n <= 0) {
+        for (int64_t t = 0; t < padded; t += 16) _mm256_storeu_si256((__m256i *)(prow + t), _mm256_setzero_si256());
+        return;
+    }
+    __m512 acc = _mm512_load_ps(sum);
+    const __m512 scv = _mm512_set1_ps(sc);
+    if (*m != -INFINITY) {
+        __m512 ymax;
+        const __m512 lazy = weights_row(srow, prow, n, padded, scv, _mm512_set1_ps(*m), acc, &ymax);
+        if (!_mm512_cmp_ps_mask(ymax, _mm512_set1_ps(HEADROOM), _CMP_GT_OQ)) {
+            _mm512_store_ps(sum, lazy);
+            return;
+        }
+    }
+    const float mx = row_max(srow, n) * sc;
+    if (mx > *m) {
+        const __m512 a = _mm512_set1_ps(exp2f(*m - mx)); /* 0 on the first chunk: m = -inf */
+        acc = _mm512_mul_ps(acc, a);
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(_mm512_load_ps(orow + d), a));
+        *m = mx;
+    }
+    _mm512_store_ps(sum, weights_row(srow, prow, n, padded, scv, _mm512_set1_ps(*m), acc, NULL));
 }
 
 /* The including file's product of rows q0 .. q0 + rows - 1 (rows <= its block_rows) of one

@@ -321,10 +321,12 @@ static inline void softmax_rows(const float *s, uint16_t *p, int rows, int64_t w
  * hold without loss. */
 #define HEADROOM 16.0f
 
-/* One row's step of the online softmax over a chunk of keys (both forms' row blocks): its n visible scores (n <= 0: it
- * sees none of the chunk) -> its weights, zeros after them up to `padded` (a multiple of
- * 32); its running maximum *m (scaled by sc = scale * log2(e)), its 16-lane sum and its
- * output orow (D floats), rescaled when *m moves.
+/* One row's step of the online softmax over a chunk of keys (both forms' row blocks):
+ * its n visible scores (n <= 0: it sees none of the chunk) -> its weights, zeros after
+ * them up to `padded` (a multiple of 32); its running maximum *m (scaled by sc = scale *
+ * log2(e)), its 16-lane sum and its output orow (D floats), rescaled when *m moves. On a
+ * row's first chunk (*m = -inf, its sum zero) orow is not read: the AVX512-BF16 form's
+ * first P V writes it rather than adding to it.
  *
  * After a row's first chunk the weights are taken against the maximum so far, in one
  * pass over the scores; only when some score rises more than HEADROOM above it is the
@@ -352,7 +354,8 @@ static inline void chunk_row(const float *srow, uint16_t *prow, int64_t n, int64
     if (mx > *m) {
         const __m512 a = _mm512_set1_ps(exp2f(*m - mx)); /* 0 on the first chunk: m = -inf */
         acc = _mm512_mul_ps(acc, a);
-        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(_mm512_load_ps(orow + d), a));
+        if (*m != -INFINITY)
+            for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(orow + d, _mm512_mul_ps(_mm512_load_ps(orow + d), a));
         *m = mx;
     }
     _mm512_store_ps(sum, weights_row(srow, prow, n, padded, scv, _mm512_set1_ps(*m), acc, NULL));

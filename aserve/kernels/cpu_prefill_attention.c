@@ -55,10 +55,7 @@
 
 #include "cpu_prefill_common.h"
 
-#define KEY_CHUNK 256                      /* keys a step of the online softmax */
-#define BLOCK_ROWS 32                      /* query rows a block: two row tiles */
-#define SCORE_STRIDE (KEY_CHUNK + 16)      /* floats; off a power of two, as row_width says */
-#define WEIGHT_STRIDE (KEY_CHUNK + 32)     /* bf16 */
+/* BLOCK_ROWS (two row tiles here), KEY_CHUNK and the strides: cpu_prefill_common.h. */
 
 /* One row block's working set, reused by every block of a task. */
 typedef struct {
@@ -214,12 +211,7 @@ static void row_block32(const uint16_t *q, int64_t q_stride, uint16_t *out, int6
         block_values(w->p, two, vv, DT, k0 / 32, pblocks, w->o, D);
         cur ^= 1;
     }
-    for (int i = 0; i < rows; i++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(w->sum + 16 * i)));
-        for (int64_t t = 0; t < DT; t++)
-            _mm256_storeu_si256((__m256i *)(out + (q0 + i) * out_stride + 16 * t),
-                                to_bf16x16(_mm512_mul_ps(_mm512_load_ps(w->o + i * D + 16 * t), inv)));
-    }
+    finish_rows(w->o, w->sum, rows, D, out, out_stride, q0);
 }
 
 static size_t work_bytes(int64_t width) {

@@ -25,11 +25,6 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PREFILL_AVX512_AVAILABLE 1
 
-#define KEY_CHUNK 256                 /* keys a step of the online softmax */
-#define BLOCK_ROWS 32                 /* query rows a block */
-#define SCORE_STRIDE (KEY_CHUNK + 16) /* floats; off a power of two (row_width says why) */
-#define WEIGHT_STRIDE (KEY_CHUNK + 32) /* bf16 */
-
 /* One row block's working set, reused by every block of a task. */
 typedef struct {
     float s[BLOCK_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));     /* a chunk's scores */
@@ -71,12 +66,7 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
         pa_product(w->p, WEIGHT_STRIDE, rows, vv + (k0 / 32) * DT * 256, DT, 256, DT * 256, 16 * pblocks, w->o, D,
                    k0 == 0);
     }
-    for (int i = 0; i < rows; i++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(w->sum + 16 * i)));
-        for (int64_t t = 0; t < DT; t++)
-            _mm256_storeu_si256((__m256i *)(out + (q0 + i) * out_stride + 16 * t),
-                                to_bf16x16(_mm512_mul_ps(_mm512_load_ps(w->o + i * D + 16 * t), inv)));
-    }
+    finish_rows(w->o, w->sum, rows, D, out, out_stride, q0);
 }
 
 static size_t work_bytes(int64_t width) {

@@ -361,6 +361,27 @@ static inline void chunk_row(const float *srow, uint16_t *prow, int64_t n, int64
     _mm512_store_ps(sum, weights_row(srow, prow, n, padded, scv, _mm512_set1_ps(*m), acc, NULL));
 }
 
+/* The chunked row blocks' shape, shared by both forms: query rows a block, keys a step
+ * of the online softmax, and the row strides of a chunk's scores (floats) and weights
+ * (bf16), off a power of two as row_width says. */
+#define BLOCK_ROWS 32
+#define KEY_CHUNK 256
+#define SCORE_STRIDE (KEY_CHUNK + 16)
+#define WEIGHT_STRIDE (KEY_CHUNK + 32)
+
+/* The end of a chunked row block: each of its rows' outputs (o, rows D apart) divided by
+ * the sum of its weights (16 lanes a row in sum), to bf16, into rows q0 .. q0 + rows - 1
+ * of out. */
+static inline void finish_rows(const float *o, const float *sum, int rows, int64_t D, uint16_t *out,
+                               int64_t out_stride, int64_t q0) {
+    for (int i = 0; i < rows; i++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sum + 16 * i)));
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(out + (q0 + i) * out_stride + d),
+                                to_bf16x16(_mm512_mul_ps(_mm512_load_ps(o + i * D + d), inv)));
+    }
+}
+
 /* The including file's product of rows q0 .. q0 + rows - 1 (rows <= its block_rows) of one
  * query head: see row_block in cpu_prefill_attention_avx512.c and row_block32 in
  * cpu_prefill_attention.c. `work`: the task's scratch for it (work_bytes(width) bytes,

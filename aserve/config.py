@@ -85,12 +85,16 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}", param="kv_cache_memory")
 
 
-#: Default token budget of one step, per tensor-parallel rank, as vLLM's CPU build sets
-#: it: a server keeps steps short, so running streams keep flowing and a burst of
-#: prompts is prefilled in several steps whose first requests answer sooner (152M model,
-#: 32 concurrent streams: median TTFT 0.94 s against 1.68 s with 8192, same throughput);
-#: the library (``LLM``, ``AsyncLLM``) favours throughput.
-SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK = 2048
+#: Default token budget of one step, per tensor-parallel rank, for a server (``aserve
+#: run``), by device. A server keeps steps short, so running streams keep flowing and a
+#: burst of prompts is prefilled over several steps whose first requests answer sooner.
+#: On CUDA, 2,048 (vLLM's server default on most GPUs). On a CPU, 1,024, half vLLM's CPU
+#: default: a step of 2,048 prompt tokens of a 152M model takes 1.5-2 s on a two-thread
+#: CPU, and every stream waits for it. Measured against 2,048 (docs/performance.md,
+#: "The step budget on CPU"): median TTFT at 128 streams 0.31-0.33 against 0.53-0.61 s
+#: (7M model), 2.7 against 5.0 s (152M), throughput the same within noise.
+SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK = {"cpu": 1024, "cuda": 2048}
+#: The library (``LLM``, ``AsyncLLM``) favours throughput, on either device.
 LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK = 4096
 
 

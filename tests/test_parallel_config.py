@@ -74,6 +74,20 @@ def test_step_budget_defaults_scale_with_tensor_parallelism(llama_dir):
     assert EngineArgs(str(llama_dir), max_num_batched_tokens=100).create_engine_config().scheduler.max_num_batched_tokens == 100
 
 
+def test_a_servers_step_budget_depends_on_its_device(llama_dir):
+    from aserve.engine.args import EngineArgs, default_step_budget
+
+    def budget(**kwargs):
+        return EngineArgs(str(llama_dir), device="cpu", **kwargs).create_engine_config("server").scheduler.max_num_batched_tokens
+
+    assert budget() == 1024
+    assert budget(tensor_parallel_size=2) == 2048
+    assert budget(max_num_batched_tokens=3000) == 3000
+    assert default_step_budget("server", "cuda", 1) == 2048
+    assert default_step_budget("server", "cuda", 4) == 8192
+    assert default_step_budget("library", "cuda", 1) == default_step_budget("library", "cpu", 1) == 4096
+
+
 def test_cpu_plan_pins_workers_only_when_cores_are_left_over():
     two = (0, 1)
     # The 7M benchmark's setup: one worker thread on two cores.

@@ -9,8 +9,9 @@ them (:func:`add_cli_arguments`): ``tensor_parallel_size`` is ``--tensor-paralle
 they are the same.
 
 One default differs by who runs the engine, as in vLLM: ``max_num_batched_tokens``
-(None) is 2048 tokens per TP rank for a server, 4096 for the library
-(:meth:`EngineArgs.create_engine_config`'s ``usage``).
+(None) is, per TP rank, 1024 tokens for a server on a CPU and 2048 on CUDA, 4096 for
+the library (:meth:`EngineArgs.create_engine_config`'s ``usage``;
+:func:`default_step_budget`).
 
 ``EngineArgs`` -> ``EngineConfig`` (:meth:`create_engine_config`) -> fitted to the model
 (``aserve.engine.fit.fit_config``), once, by whoever starts the engine.
@@ -42,11 +43,20 @@ from aserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from aserve.devices import DEVICES
+from aserve.devices import DEVICES, cuda_device_count, resolve_device
 from aserve.model.pipeline import parse_partition
 from aserve.errors import ConfigError
 
 Usage = Literal["library", "server"]
+
+
+def default_step_budget(usage: Usage, device: str, tensor_parallel_size: int) -> int:
+    """The token budget of one step when ``max_num_batched_tokens`` is not given: the
+    per-rank default for ``usage`` (and, for a server, the resolved ``device``: ``cpu``
+    or ``cuda``) times the TP size (aserve/config.py says why each)."""
+    per_rank = (SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK[device] if usage == "server"
+                else LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK)
+    return per_rank * tensor_parallel_size
 
 
 def _option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
@@ -86,8 +96,8 @@ class EngineArgs:
                                           "prefixes may fill before blocks never used yet are touched (1.0: all)")
     # -- the scheduler -----------------------------------------------------------------
     max_num_seqs: int = _option(256, "requests in one step", minimum=1)
-    max_num_batched_tokens: int | None = _option(None, "token budget of one step (default: 2048 x the TP size "
-                                                 "for a server, as vLLM's CPU server; 4096 x for the library)",
+    max_num_batched_tokens: int | None = _option(None, "token budget of one step (default, x the TP size: "
+                                                 "a server 1024 on CPU, 2048 on CUDA; the library 4096)",
                                                  minimum=1)
     enable_chunked_prefill: bool = _option(True, "prefill prompts longer than the step's budget in chunks")
     long_prefill_token_threshold: int | None = _option(None, "prefill a prompt longer than this in chunks of at "
@@ -149,8 +159,14 @@ class EngineArgs:
         """The validated config (``ConfigError`` names the field). ``model``: the resolved
         model directory (default: :func:`resolve_model_path` of ``self.model``, which
         builds the embedded model on first use)."""
-        per_rank = SERVER_MAX_NUM_BATCHED_TOKENS_PER_RANK if usage == "server" else LIBRARY_MAX_NUM_BATCHED_TOKENS_PER_RANK
-        budget = self.max_num_batched_tokens or per_rank * self.tensor_parallel_size
+        budget = self.max_num_batched_tokens
+        if not budget:
+            # A server's default depends on the device (resolved again, the same way, by
+            # fit_config); the library's does not, so it asks no driver.
+            device = "cpu"
+            if usage == "server":
+                device = resolve_device(self.device, cuda_device_count() if self.device != "cpu" else 0)
+            budget = default_step_budget(usage, device, self.tensor_parallel_size)
         return EngineConfig(
             model=ModelConfig(model or resolve_model_path(self.model), dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed, device=self.device,

@@ -64,8 +64,22 @@ static inline __m512bh pair_of_x(const uint16_t *x) { /* x[0], x[1] in every 32-
  * each). The sums start from acc (float, rows ld apart, tile t at column 16 t), or from
  * zero when `first`, and are stored back there; each pair also issues its share of
  * pr's prefetches. */
+/* GCC 12 at -O3 keeps one of the 4-row, 4-tile block's accumulators (and a weight
+ * vector) on the stack through its loop, so that sum waits on a store and a load every
+ * pair of K; IRA's single-region allocation keeps all 16 in registers (the other shapes
+ * spill nothing either way, and the 5- and 6-row ones measured slower under it). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define BF16_BLOCK_ATTR_4 __attribute__((optimize("ira-region=one")))
+#else
+#define BF16_BLOCK_ATTR_4
+#endif
+#define BF16_BLOCK_ATTR_1
+#define BF16_BLOCK_ATTR_2
+#define BF16_BLOCK_ATTR_3
+#define BF16_BLOCK_ATTR_5
+#define BF16_BLOCK_ATTR_6
 #define BF16_BLOCK(MR_, NT_)                                                                                         \
-    static void bf16_block_##MR_##_##NT_(const uint16_t *a, int64_t lda, const uint16_t *const *tile,               \
+    static BF16_BLOCK_ATTR_##MR_ void bf16_block_##MR_##_##NT_(const uint16_t *a, int64_t lda, const uint16_t *const *tile,               \
                                          int64_t chunk, int64_t kc0, int64_t nkc, float *acc, int64_t ld,           \
                                          int first, prefetch_run *pr) {                                             \
         enum { MR = MR_, NT = NT_ };                                                                                \

@@ -86,14 +86,15 @@ static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp,
     const uint16_t *w = wp + p * KC * 1024;
     const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512}; /* the two pairs' tiles */
     const int64_t blocks = (M + 5) / 6;
-    /* Blocks of 5 or 6 rows where M allows it (32 rows as 6, 6, 5, 5, 5, 5, not five of 6
-       and one of 2), else of 6 and a remainder: a block of 1-4 rows issues its weight
-       loads for fewer products. On a Zen 4 (2026-12-06, 48 weights of the 152M model,
-       two threads, medians of eight alternating rounds) 32 rows 25.8 against 27.1 ms, 22
-       rows 18.7 against 20.6, 10 rows 9.7 against 11.3; 8 rows as 4 + 4 took 11.0
-       against 6 + 2's 8.6, so smaller M keeps the remainder. The same bits either way:
-       each output's sum runs over K alone. */
-    const int balanced = M >= 5 * blocks;
+    /* Blocks of 4 to 6 rows, as even as M allows (32 rows as 6, 6, 5, 5, 5, 5, not five
+       of 6 and one of 2; 8 as 4 + 4), where a block of 1-3 rows issues its weight loads
+       for fewer products; only 7 rows keep 6 + 1. On a Zen 4 (2026-12-06, 48 weights of
+       the 152M model, two threads, medians of six to eight alternating rounds): 32 rows
+       25.8 against 27.1 ms, 22 rows 18.7 against 20.6, 10 rows 9.7 against 11.3, 19 rows
+       16.1 against 17.6, 8 rows 9.9 against 10.8 (with the 4-row block's registers
+       mended, cpu_bf16_block.h). The same bits either way: each output's sum runs over
+       K alone. */
+    const int balanced = M >= 4 * blocks;
     for (int64_t kc0 = 0; kc0 < KC; kc0 += DECODE_KC) {
         const int64_t nkc = KC - kc0 < DECODE_KC ? KC - kc0 : DECODE_KC;
         /* The next pass's weights: the next chunks of these pairs, or the first chunks of

@@ -59,11 +59,6 @@ static inline __m512bh pair_of_x(const uint16_t *x) { /* x[0], x[1] in every 32-
         if (NT > 2) _mm512_storeu_ps(acc + R * ld + 32, c##R##2);                                                   \
         if (NT > 3) _mm512_storeu_ps(acc + R * ld + 48, c##R##3);                                                   \
     }
-/* MR rows of a (bf16, rows lda apart) against NT tiles (tile[t]: its chunk 0; chunks
- * `chunk` elements apart), over chunks [kc0, kc0 + nkc) (32 of the summed dimension
- * each). The sums start from acc (float, rows ld apart, tile t at column 16 t), or from
- * zero when `first`, and are stored back there; each pair also issues its share of
- * pr's prefetches. */
 /* GCC 12 at -O3 keeps one of the 4-row, 4-tile block's accumulators (and a weight
  * vector) on the stack through its loop, so that sum waits on a store and a load every
  * pair of K; IRA's single-region allocation keeps all 16 in registers (the other shapes
@@ -78,10 +73,16 @@ static inline __m512bh pair_of_x(const uint16_t *x) { /* x[0], x[1] in every 32-
 #define BF16_BLOCK_ATTR_3
 #define BF16_BLOCK_ATTR_5
 #define BF16_BLOCK_ATTR_6
+/* MR rows of a (bf16, rows lda apart) against NT tiles (tile[t]: its chunk 0; chunks
+ * `chunk` elements apart), over chunks [kc0, kc0 + nkc) (32 of the summed dimension
+ * each). The sums start from acc (float, rows ld apart, tile t at column 16 t), or from
+ * zero when `first`, and are stored back there; each pair also issues its share of
+ * pr's prefetches. */
 #define BF16_BLOCK(MR_, NT_)                                                                                         \
-    static BF16_BLOCK_ATTR_##MR_ void bf16_block_##MR_##_##NT_(const uint16_t *a, int64_t lda, const uint16_t *const *tile,               \
-                                         int64_t chunk, int64_t kc0, int64_t nkc, float *acc, int64_t ld,           \
-                                         int first, prefetch_run *pr) {                                             \
+    static BF16_BLOCK_ATTR_##MR_ void bf16_block_##MR_##_##NT_(const uint16_t *a, int64_t lda,                    \
+                                                               const uint16_t *const *tile, int64_t chunk,         \
+                                                               int64_t kc0, int64_t nkc, float *acc, int64_t ld,   \
+                                                               int first, prefetch_run *pr) {                      \
         enum { MR = MR_, NT = NT_ };                                                                                \
         const __m512 z = _mm512_setzero_ps();                                                                       \
         __m512 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z,    \

@@ -53,18 +53,11 @@
 #include <omp.h>
 #endif
 
+#define SCORE_BUFFERS 2 /* a chunk's scores and the next's */
 #include "cpu_prefill_common.h"
 
-/* BLOCK_ROWS (two row tiles here), KEY_CHUNK and the strides: cpu_prefill_common.h. */
-
-/* One row block's working set, reused by every block of a task. */
-typedef struct {
-    float s[2][BLOCK_ROWS * SCORE_STRIDE] __attribute__((aligned(64))); /* a chunk's scores, the next's */
-    uint16_t p[BLOCK_ROWS * WEIGHT_STRIDE] __attribute__((aligned(64))); /* its weights */
-    float o[BLOCK_ROWS * MAX_D] __attribute__((aligned(64)));        /* the rows' outputs, rows D apart */
-    float sum[BLOCK_ROWS * 16] __attribute__((aligned(64)));         /* per row, 16 lanes of its sum */
-    float m[BLOCK_ROWS];                                             /* per row, its scaled maximum */
-} block_scratch;
+/* BLOCK_ROWS (two row tiles here), KEY_CHUNK, the strides and the row block's scratch
+ * (block_scratch, work_bytes): cpu_prefill_common.h. */
 
 /* 1 when this process may use AMX tiles (asks the kernel once; idempotent). */
 int aserve_amx_init(void) { return amx_request_tiles(); }
@@ -212,11 +205,6 @@ static void row_block32(const uint16_t *q, int64_t q_stride, uint16_t *out, int6
         cur ^= 1;
     }
     finish_rows(w->o, w->sum, rows, D, out, out_stride, q0);
-}
-
-static size_t work_bytes(int64_t width) {
-    (void)width;
-    return sizeof(block_scratch);
 }
 
 static void release_tiles(void) { _tile_release(); }

@@ -20,19 +20,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#define SCORE_BUFFERS 1
 #include "cpu_prefill_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PREFILL_AVX512_AVAILABLE 1
-
-/* One row block's working set, reused by every block of a task. */
-typedef struct {
-    float s[BLOCK_ROWS * SCORE_STRIDE] __attribute__((aligned(64)));     /* a chunk's scores */
-    uint16_t p[BLOCK_ROWS * WEIGHT_STRIDE] __attribute__((aligned(64))); /* its weights */
-    float o[BLOCK_ROWS * MAX_D] __attribute__((aligned(64)));            /* the rows' outputs, rows D apart */
-    float sum[BLOCK_ROWS * 16] __attribute__((aligned(64)));             /* per row, 16 lanes of its sum */
-    float m[BLOCK_ROWS];                                                 /* per row, its scaled maximum */
-} block_scratch;
 
 /* Rows q0 .. q0 + rows - 1 (rows <= BLOCK_ROWS) of one query head, at positions ctx + q0
  * .. (each sees the keys up to its own), over their keys in chunks of KEY_CHUNK: per
@@ -55,10 +47,11 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
         const int64_t kn = seen - k0 < KEY_CHUNK ? seen - k0 : KEY_CHUNK; /* keys of the chunk the last row sees */
         const int64_t kblocks = (kn + 15) / 16, pblocks = (kn + 31) / 32;
         /* S: tiles of 16 keys (DC * 256 words apart) from the chunk's first, D / 2 pairs. */
-        pa_product(qb, q_stride, rows, kt + (k0 / 16) * DC * 256, kblocks, DC * 256, 256, D / 2, w->s, SCORE_STRIDE, 1);
+        pa_product(qb, q_stride, rows, kt + (k0 / 16) * DC * 256, kblocks, DC * 256, 256, D / 2, w->s[0],
+                   SCORE_STRIDE, 1);
         for (int i = 0; i < rows; i++) {
             const int64_t n = first + i + 1 - k0;
-            chunk_row(w->s + i * SCORE_STRIDE, w->p + i * WEIGHT_STRIDE, n < kn ? n : kn, 32 * pblocks, sc, &w->m[i],
+            chunk_row(w->s[0] + i * SCORE_STRIDE, w->p + i * WEIGHT_STRIDE, n < kn ? n : kn, 32 * pblocks, sc, &w->m[i],
                       w->sum + 16 * i, w->o + i * D, D);
         }
         /* O (+)= P V: tiles of 16 columns of D (256 words apart), the chunk's 16 pblocks key
@@ -67,11 +60,6 @@ static void row_block(const uint16_t *q, int64_t q_stride, uint16_t *out, int64_
                    k0 == 0);
     }
     finish_rows(w->o, w->sum, rows, D, out, out_stride, q0);
-}
-
-static size_t work_bytes(int64_t width) {
-    (void)width;
-    return sizeof(block_scratch);
 }
 
 static const prefill_form FORM = {row_block, BLOCK_ROWS, work_bytes, NULL};

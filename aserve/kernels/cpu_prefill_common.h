@@ -369,6 +369,25 @@ static inline void chunk_row(const float *srow, uint16_t *prow, int64_t n, int64
 #define SCORE_STRIDE (KEY_CHUNK + 16)
 #define WEIGHT_STRIDE (KEY_CHUNK + 32)
 
+#ifdef SCORE_BUFFERS
+/* One chunked row block's working set, reused by every block of a task. SCORE_BUFFERS,
+ * set by the including form before this header: the chunks' scores it holds at once (the
+ * AMX form computes the next chunk's while it weighs this one's: 2). */
+typedef struct {
+    float s[SCORE_BUFFERS][BLOCK_ROWS * SCORE_STRIDE] __attribute__((aligned(64))); /* chunks' scores */
+    uint16_t p[BLOCK_ROWS * WEIGHT_STRIDE] __attribute__((aligned(64)));             /* a chunk's weights */
+    float o[BLOCK_ROWS * MAX_D] __attribute__((aligned(64)));    /* the rows' outputs, rows D apart */
+    float sum[BLOCK_ROWS * 16] __attribute__((aligned(64)));     /* per row, 16 lanes of its sum */
+    float m[BLOCK_ROWS];                                         /* per row, its scaled maximum */
+} block_scratch;
+
+/* A task's scratch for its row blocks, whatever the width. */
+static size_t work_bytes(int64_t width) {
+    (void)width;
+    return sizeof(block_scratch);
+}
+#endif
+
 /* The end of a chunked row block: each of its rows' outputs (o, rows D apart) divided by
  * the sum of its weights (16 lanes a row in sum), to bf16, into rows q0 .. q0 + rows - 1
  * of out. */

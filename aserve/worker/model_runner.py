@@ -350,8 +350,25 @@ class ModelRunner:
 
         if self.pp is not None:
             return self._pipeline_step(scheduled, starts, input_t, pos_t, meta, sched.masks_follow)
-        hidden = self.model(input_t, pos_t, self.kv_caches, meta)  # [T, hidden]
+        output_rows = self._output_rows(scheduled, starts, len(input_ids))
+        hidden = self.model(input_t, pos_t, self.kv_caches, meta, output_rows=output_rows)  # [T or rows, hidden]
         return self._sample(scheduled, starts, hidden, sched.masks_follow)
+
+    def _output_rows(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int],
+                     num_tokens: int) -> torch.Tensor | None:
+        """The tokens whose final hidden states this step reads, when that is not all of
+        them: each sampling row's last token, in row order (what :meth:`_sample` takes),
+        so the model's last layer skips the rest. None when every token is read (decode
+        rows only) or when a request in the step asks for prompt logprobs (every
+        prompt position's logits). A step where no row samples (chunks of prompts
+        only) keeps its last token, so no kernel sees zero rows."""
+        if any(state.params.prompt_logprobs is not None for state, _ in scheduled):
+            return None
+        rows = [starts[r] + n - 1 for r, (state, n) in enumerate(scheduled)
+                if state.num_computed_tokens + n == len(state.token_ids)]
+        if len(rows) == num_tokens:
+            return None
+        return _long_tensor(rows or [num_tokens - 1]).to(self.device)
 
     def _pipeline_step(self, scheduled: list[tuple[CachedRequestState, int]], starts: list[int], input_t: torch.Tensor,
                        pos_t: torch.Tensor, meta: AttentionMetadata, masks_follow: bool) -> RunnerOutput:
@@ -365,7 +382,8 @@ class ModelRunner:
         intermediate = None
         if not pp.is_first:
             intermediate = pp.recv(input_t.shape[0], self.model.cfg.hidden_size, self.model_dtype, self.device)
-        out = self.model(input_t, pos_t, self.kv_caches, meta, intermediate)
+        output_rows = self._output_rows(scheduled, starts, input_t.shape[0]) if pp.is_last else None
+        out = self.model(input_t, pos_t, self.kv_caches, meta, intermediate, output_rows)
         if pp.is_last:
             return self._sample(scheduled, starts, out, masks_follow)
         pp.send(*out)
@@ -384,7 +402,7 @@ class ModelRunner:
             if masks_follow:
                 self._read_masks()  # read all the same: the next step's come after them
             return RunnerOutput([], [], {}, prompt_logprobs)
-        if len(sample_rows) == hidden.shape[0]:  # every row samples its only token: all of hidden, in order
+        if len(sample_rows) == hidden.shape[0]:  # every row samples its only token, or hidden holds those rows alone
             logits = self.model.compute_logits(hidden)  # [N, vocab], sampled where they are
         else:
             last_token = _long_tensor([starts[r] + scheduled[r][1] - 1 for r in sample_rows]).to(self.device)

@@ -99,7 +99,11 @@ class LlamaAttention(nn.Module):
         return self.qk_norm == "head"
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, kv_cache: LayerKV,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for every token, or only for ``rows`` (indices into the
+        step's tokens): every token's keys and values are still projected and cached, and
+        every token's attention computed, but the output projection runs on those rows
+        alone."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.qk_norm == "full":
@@ -112,8 +116,8 @@ class LlamaAttention(nn.Module):
             assert rope is not None
             qk = self.rotary(rope, qk)  # [T, Hq + Hk, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        o = self.attn(q, k, v, kv_cache, meta)  # [T, Hq, D]; k and v are strided views
-        return self.o_proj(o.reshape(n, self.q_size))
+        o = self.attn(q, k, v, kv_cache, meta).reshape(n, self.q_size)  # k and v are strided views
+        return self.o_proj(o if rows is None else o[rows])
 
     def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
         """OLMo 2: RMSNorm over the whole q and the whole k projection; under TP the
@@ -176,17 +180,22 @@ class LlamaDecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: LayerKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: LayerKV, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual)``: the skip connection is added by the next norm
-        (``x + residual`` is the hidden state Hugging Face's layer returns)."""
+        (``x + residual`` is the hidden state Hugging Face's layer returns). With ``rows``
+        (the last layer, when only some tokens' hidden states are read) both come for
+        those rows alone, in their order; every token's keys and values are cached."""
         if self.layout == "post":
-            return self._forward_post_norms(rope, x, residual, kv_cache, meta)
+            return self._forward_post_norms(rope, x, residual, kv_cache, meta, rows)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, kv_cache, meta)
+        h = self.self_attn(rope, h, kv_cache, meta, rows)
+        if rows is not None:
+            residual = residual[rows]
         if self.layout == "sandwich":
             h = self.post_attention_layernorm(h)
             h, residual = self.pre_feedforward_layernorm(self._scaled(h), residual)
@@ -199,12 +208,12 @@ class LlamaDecoderLayer(nn.Module):
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
     def _forward_post_norms(self, rope: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor,
-                            residual: torch.Tensor | None, kv_cache: LayerKV,
-                            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                            residual: torch.Tensor | None, kv_cache: LayerKV, meta: AttentionMetadata,
+                            rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """OLMo 2: no norm before a block, one after each: ``x + norm(block(x))``."""
         hidden = x if residual is None else x + residual
-        h = self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta))
-        hidden = hidden + h
+        h = self.post_attention_layernorm(self.self_attn(rope, hidden, kv_cache, meta, rows))
+        hidden = (hidden if rows is None else hidden[rows]) + h
         return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
 
 
@@ -344,11 +353,20 @@ class LlamaModel(nn.Module):
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The final hidden states ([T, hidden], after the norm) on the last stage; on
         the others ``(x, residual)`` for the next stage. A stage after the first starts
         from the previous stage's ``intermediate`` instead of the embedding.
-        ``kv_caches`` are this stage's layers' own, in order."""
+        ``kv_caches`` are this stage's layers' own, in order.
+
+        ``output_rows`` (the last stage only): the indices of the tokens whose hidden
+        states the caller reads (those that sample), in the order it reads them; the
+        result is then [len(output_rows), hidden]. The last layer runs its output
+        projection and MLP on those rows alone, after caching every token's keys and
+        values: a prompt's other positions only feed the cache, and from the last layer
+        nothing reads their outputs (docs/engine.md, "The last layer")."""
+        assert output_rows is None or self.stage.is_last
         stage = self.stage
         rope = self.rotary.gather(positions)  # once for all layers
         if stage.is_first:
@@ -363,6 +381,8 @@ class LlamaModel(nn.Module):
                 x, residual = self.decode_stack.run(x, rope[0], rope[1], [kv.paged for kv in kv_caches],
                                                     meta.decode_block_table, meta.decode_seq_lens,
                                                     meta.decode_prefix_blocks, [kv.prefix_slot for kv in kv_caches])
+                if output_rows is not None:
+                    x, residual = x[output_rows], residual[output_rows]
                 return self.norm(x, residual)[0]
         else:
             assert intermediate is not None
@@ -370,14 +390,15 @@ class LlamaModel(nn.Module):
         ropes = (rope, None if self.local_rotary is None else self.local_rotary.gather(positions))
         for i, kv_cache in zip(range(stage.start, stage.end), kv_caches):
             r = self.rope_of_layer[i]
-            x, residual = self.layers[i](None if r is None else ropes[r], x, residual, kv_cache, meta)
+            rows = output_rows if i == stage.end - 1 else None
+            x, residual = self.layers[i](None if r is None else ropes[r], x, residual, kv_cache, meta, rows)
             if meta.layer_done is not None:
                 meta.layer_done()
         if not stage.is_last:
             assert residual is not None  # a stage holds at least one layer
             return x, residual
         if residual is None:  # no layers
-            return self.norm(x)
+            return self.norm(x if output_rows is None else x[output_rows])
         return self.norm(x, residual)[0]
 
 
@@ -427,8 +448,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[self.stage.start].self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.model(input_ids, positions, kv_caches, meta, intermediate)
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`LlamaModel.forward`."""
+        return self.model(input_ids, positions, kv_caches, meta, intermediate, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -54,10 +54,10 @@ SLOW_LAYERS = """
 import time
 import aserve.model.models.llama as llama
 _forward = llama.LlamaDecoderLayer.forward
-def forward(self, rope, x, residual, kv_cache, meta):
+def forward(self, rope, x, residual, kv_cache, meta, rows=None):
     if meta.prefills:
         time.sleep({seconds})
-    return _forward(self, rope, x, residual, kv_cache, meta)
+    return _forward(self, rope, x, residual, kv_cache, meta, rows)
 llama.LlamaDecoderLayer.forward = forward
 """
 

@@ -166,10 +166,10 @@ _SLOW_REMOTE = {
 import time
 import aserve.model.models.llama as llama
 _forward = llama.LlamaDecoderLayer.forward
-def forward(self, rope, x, residual, kv_cache, meta):
+def forward(self, rope, x, residual, kv_cache, meta, rows=None):
     if meta.prefills:
         time.sleep(1.2)
-    return _forward(self, rope, x, residual, kv_cache, meta)
+    return _forward(self, rope, x, residual, kv_cache, meta, rows)
 llama.LlamaDecoderLayer.forward = forward
 """,
     "stuck": """

@@ -221,17 +221,20 @@ def test_avx512_bf16_kernel_switched_off_by_the_environment(monkeypatch):
 @needs_avx512_bf16
 # One block (1, 4, 6), 6 + 1 (7), or even blocks of 4 to 6 rows (8, 10, 12, 13, 14, 16,
 # 19, 22, 25, 31, 32).
-@pytest.mark.parametrize("rows", [1, 4, 6, 7, 8, 10, 12, 13, 14, 16, 19, 22, 25, 31, 32])
-def test_avx512_bf16_decode_passes_cover_every_row_and_column_once(rows, set_threads):
-    """The decode form (rows <= 32) runs K in passes of 4 chunks of 32 over blocks of up
-    to 6 rows, carrying the sums between passes, and an odd count of 32-column pairs
-    leaves a last group of one pair: K = 320 (2.5 passes) and 5 pairs cover each edge.
-    One and two threads give the same bits, and rows of a batch do not change each
-    other's values, whatever block a row falls in."""
+@pytest.mark.parametrize("rows", [1, 4, 6, 7, 8, 10, 12, 13, 14, 16, 17, 19, 22, 25, 31, 32])
+@pytest.mark.parametrize("in_features", [320, 2336])
+def test_avx512_bf16_decode_passes_cover_every_row_and_column_once(rows, in_features, set_threads):
+    """The decode form (rows <= 32) runs K in passes over blocks of up to 6 rows,
+    carrying the sums between passes (4 chunks of 32 up to 16 rows, 32 chunks past 16),
+    and an odd count of 32-column pairs leaves a last group of one pair: K = 320 (2.5
+    short passes, one long one) and K = 2,336 (18.25 short passes, 2.28 long ones) with
+    5 pairs cover each edge. One and two threads give the same bits, and rows of a batch
+    do not change each other's values, whatever block a row falls in or however long
+    the batch's passes are (each row alone takes the short ones)."""
     kernel = bf16_linear.load()
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 320, generator=g).bfloat16()
-    w = (torch.randn(160, 320, generator=g) * 0.1).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = (torch.randn(160, in_features, generator=g) * 0.1).bfloat16()
     packed = kernel.pack(w)
     set_threads(1)
     one = kernel.linear(x, packed, 160)

@@ -16,18 +16,20 @@
 #include <string.h>
 
 /* Software prefetch spread over a block's iterations: lines [next, end) of two runs of
- * PF_RUN_LINES lines each (`b` may be NULL), per_iter a pair (0: none). */
-#define PF_RUN_LINES 128
+ * `run` lines each (a's, then b's; `b` may be NULL), per_iter a pair (0: none). */
 typedef struct {
     const char *a, *b;
     int64_t next, end;
     int per_iter;
+    int64_t run;
 } prefetch_run;
 
 static inline void prefetch_some(prefetch_run *pr) {
     for (int i = 0; i < pr->per_iter && pr->next < pr->end; i++, pr->next++) {
-        const char *base = pr->next < PF_RUN_LINES ? pr->a : pr->b;
-        if (base) _mm_prefetch(base + 64 * (pr->next % PF_RUN_LINES), _MM_HINT_T1); /* L2: see bf16_decode_item */
+        const int in_a = pr->next < pr->run;
+        const char *base = in_a ? pr->a : pr->b;
+        if (base) /* L2: see bf16_decode_item */
+            _mm_prefetch(base + 64 * (in_a ? pr->next : pr->next - pr->run), _MM_HINT_T1);
     }
 }
 

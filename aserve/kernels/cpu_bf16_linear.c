@@ -61,15 +61,24 @@ static void store_rows(const float *acc, int64_t rows, int cols, uint16_t *y, in
             _mm256_storeu_si256((__m256i *)(y + r * ldy + c), to_bf16x16(_mm512_load_ps(acc + r * 64 + c)));
 }
 
-/* K chunks of 32 a decode pass takes before moving to the next rows: 4 KiB of weights a
- * chunk for two pairs, so a pass's weights (16 KiB) stay in L1 while every row block
- * reads them. */
-#define DECODE_KC 4
+/* K chunks of 32 a decode pass takes before moving to the next rows (4 KiB of weights a
+ * chunk for two pairs). Up to 16 rows, 4 chunks: a pass's 16 KiB stay in L1 while every
+ * row block reads them, and the next pass's arrive just in time; the weights' stream, not
+ * the arithmetic, bounds these sizes. Past 16 rows the arithmetic does, and 32 chunks:
+ * a pass's 128 KiB stay in L2, and each row block's 24 sums are stored and reloaded once
+ * per 512 pairs of K, not once per 64. On a Zen 4 (2026-12-06, the 152M model's 48
+ * weights at 32 rows, two threads, alternating in one process, medians of 16): 348 ->
+ * 366 and 347 -> 361 GFLOP/s (24 rows 345 -> 352, 341 -> 366); in the one-call decode
+ * step, 40.1 -> 36.2 ms (scripts/decode_roofline.py, six each). 16 rows measured 276
+ * against 263, 8 rows 201 against 188, 1 row 31 against 29: the short passes stay there.
+ * 24, 48 or 64 chunks measured as 32 or below; all of K (88 chunks for down_proj, 352
+ * KiB a pass) lower, 370 against 390 at 32 rows and 281 against 345 at 16. */
+static inline int64_t decode_kc(int64_t M) { return M > 16 ? 32 : 4; }
 
-/* All rows (M <= 32) of the group of pairs at p, K-outer: each pass over DECODE_KC chunks
- * of K runs every 6-row block before the next chunks, carrying the accumulators in a
- * 32 x 64 float buffer (8 KiB, in L1), and prefetches the next pass's weights into L2
- * while it computes.
+/* All rows (M <= 32) of the group of pairs at p, K-outer: each pass over decode_kc(M)
+ * chunks of K runs every 6-row block before the next chunks, carrying the accumulators
+ * in a 32 x 64 float buffer (8 KiB, in L1), and prefetches the next pass's weights into
+ * L2 while it computes.
  *
  * Why: with each row block running over all of K (bf16_item, the prefill form), the first
  * block waited on memory and the others computed with memory idle; the hardware
@@ -95,19 +104,23 @@ static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp,
        mended, cpu_bf16_block.h). The same bits either way: each output's sum runs over
        K alone. */
     const int balanced = M >= 4 * blocks;
-    for (int64_t kc0 = 0; kc0 < KC; kc0 += DECODE_KC) {
-        const int64_t nkc = KC - kc0 < DECODE_KC ? KC - kc0 : DECODE_KC;
+    const int64_t dkc = decode_kc(M);
+    for (int64_t kc0 = 0; kc0 < KC; kc0 += dkc) {
+        const int64_t nkc = KC - kc0 < dkc ? KC - kc0 : dkc;
         /* The next pass's weights: the next chunks of these pairs, or the first chunks of
-           the next group (the item a thread most likely takes next). */
-        prefetch_run pr = {NULL, NULL, 0, 2 * PF_RUN_LINES, 0};
-        if (kc0 + DECODE_KC < KC) {
-            pr.a = (const char *)(w + (kc0 + DECODE_KC) * 1024);
-            pr.b = four ? (const char *)(w + (KC + kc0 + DECODE_KC) * 1024) : NULL;
+           the next group (the item a thread most likely takes next); n chunks of a pair
+           are 32 n lines. */
+        prefetch_run pr = {NULL, NULL, 0, 0, 0, 0};
+        if (kc0 + dkc < KC) {
+            pr.a = (const char *)(w + (kc0 + dkc) * 1024);
+            pr.b = four ? (const char *)(w + (KC + kc0 + dkc) * 1024) : NULL;
+            pr.run = 32 * (KC - kc0 - dkc < dkc ? KC - kc0 - dkc : dkc);
         } else if (p + 2 < pairs) {
             pr.a = (const char *)(wp + (p + 2) * KC * 1024);
             pr.b = p + 3 < pairs ? (const char *)(wp + (p + 3) * KC * 1024) : NULL;
+            pr.run = 32 * (KC < dkc ? KC : dkc);
         }
-        if (!pr.a) pr.end = 0;
+        pr.end = 2 * pr.run;
         const int64_t iters = blocks * nkc * 16;
         pr.per_iter = (int)((pr.end + iters - 1) / iters);
         for (int64_t b = 0, r = 0; b < blocks; b++) {
@@ -126,7 +139,7 @@ static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp,
 static void bf16_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t m0,
                       int64_t m1, int64_t p, int64_t pairs, int64_t KC) {
     float acc[6 * 64] __attribute__((aligned(64)));
-    prefetch_run none = {NULL, NULL, 0, 0, 0};
+    prefetch_run none = {NULL, NULL, 0, 0, 0, 0};
     const int four = p + 1 < pairs;
     const uint16_t *w = wp + p * KC * 1024;
     const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512};

@@ -111,32 +111,27 @@ def test_a_large_weight_streamed_at_tens_of_rows_gives_the_bits_of_the_blocked_f
     torch.testing.assert_close(blocked.float(), reference(x, w).float(), rtol=2**-7, atol=1e-2)
 
 
-@needs_amx
+# Prefill panels with a partial last one (AMX: K in blocks and not, a group of gate pairs
+# and a rest); the AVX512-BF16 kernel's streaming form up to 192 rows (1, 5, 32, 33, 77,
+# 130) and its panels past them (300).
 @pytest.mark.parametrize("rows, inter, in_features", [(77, 96, 544), (33, 64, 2816), (300, 704, 256), (5, 32, 64),
-                                                     (130, 2816, 1024)])
-def test_the_fused_gated_product_has_the_bits_of_the_two_calls(rows, inter, in_features, set_threads):
-    """``linear_silu`` (AMX): silu(x W_gate^T) * (x W_up^T) in one pass gives exactly
-    ``linear`` followed by the C ``silu_mul``, on one thread and on two: prefill chunks
-    with a partial last one, K in blocks and not, a group of gate pairs and a rest."""
-    amx_kernel, fused = amx_linear.load(), cpu_fused_ops.load()
-    assert amx_kernel is not None and fused is not None
-    assert amx_kernel.fuses_silu(2 * inter) and not amx_kernel.fuses_silu(2 * inter + 32)
+                                                     (130, 2816, 1024), (1, 64, 2336), (32, 96, 1024)])
+def test_the_fused_gated_product_has_the_bits_of_the_two_calls(amx, rows, inter, in_features, set_threads):
+    """``linear_silu``: silu(x W_gate^T) * (x W_up^T) in one pass gives exactly
+    ``linear`` followed by the C ``silu_mul``, on one thread and on two."""
+    fused = cpu_fused_ops.load()
+    assert fused is not None
+    assert amx.fuses_silu(2 * inter) and not amx.fuses_silu(2 * inter + 32)
     g = torch.Generator().manual_seed(rows + inter)
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     w = (torch.randn(2 * inter, in_features, generator=g) * 0.05).bfloat16()
-    packed = amx_kernel.pack(w)
+    packed = amx.pack(w)
     for threads in (1, 2):
         set_threads(threads)
-        want = fused.silu_mul(amx_kernel.linear(x, packed, 2 * inter))
-        assert torch.equal(amx_kernel.linear_silu(x, packed, inter), want), threads
+        want = fused.silu_mul(amx.linear(x, packed, 2 * inter))
+        assert torch.equal(amx.linear_silu(x, packed, inter), want), threads
     gate, up = reference(x, w).float().chunk(2, dim=-1)
     torch.testing.assert_close(want.float(), torch.nn.functional.silu(gate) * up, rtol=2**-6, atol=2e-2)
-
-
-@needs_avx512_bf16
-def test_the_avx512_bf16_kernel_has_no_fused_gated_product():
-    kernel = bf16_linear.load()
-    assert kernel is not None and not kernel.fuses_silu(128)
 
 
 def test_supports_bf16_weights_whose_input_side_is_a_multiple_of_32(amx):
@@ -246,32 +241,64 @@ def test_avx512_bf16_decode_passes_cover_every_row_and_column_once(rows, in_feat
     torch.testing.assert_close(one.float(), reference(x, w).float(), rtol=2**-7, atol=1e-3)
 
 
+def _count_fused_rows(monkeypatch) -> list[int]:
+    """The rows of every ``linear_silu`` call from here on (the call itself unchanged)."""
+    rows: list[int] = []
+    fused = amx_linear.AmxLinear.linear_silu
+    monkeypatch.setattr(amx_linear.AmxLinear, "linear_silu",
+                        lambda self, x, *rest: rows.append(x.shape[0]) or fused(self, x, *rest))
+    return rows
+
+
+def _gated_run(model_dir, kind: str) -> tuple[list, bool]:
+    """Greedy tokens and top-2 logprobs of three prompts (40, 90 and 20 tokens, 8 out) on
+    a bf16 LLM whose MLPs take the ``kind`` kernel, and whether its one-call decode step
+    attached."""
+    from aserve import LLM, SamplingParams
+
+    prompts = [[(3 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((40, 90, 20))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    with LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=1 << 22) as llm:
+        model = llm.engine.executor.worker.runner.model.model
+        assert model.layers[0].mlp.gate_up_proj.amx.kind == kind
+        return ([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                 for o in llm.generate(prompts, params)], model.decode_stack is not None)
+
+
 @needs_amx
 def test_a_bf16_prefill_takes_the_fused_gated_product_and_keeps_its_tokens(llama_dir, monkeypatch):
     """Where ``fused_silu_pays`` (long prefills of wide models; here told so for every
     step of more than 32 rows, the tiny model being narrow), a bf16 Llama on AMX runs its
     MLP's first half as ``linear_silu``, and decode steps as the two calls; the tokens and
     logprobs are those of the two calls everywhere."""
-    from aserve import LLM, SamplingParams
-
-    # As measured (AmxLinear.fused_silu_pays): the 152M model's long prefills, not the 7M's.
-    assert amx_linear.AmxLinear.fused_silu_pays(2048, 1024) and not amx_linear.AmxLinear.fused_silu_pays(2048, 256)
-    assert not amx_linear.AmxLinear.fused_silu_pays(128, 1024)
-    rows = []
-    fused = amx_linear.AmxLinear.linear_silu
-    monkeypatch.setattr(amx_linear.AmxLinear, "linear_silu",
-                        lambda self, x, *rest: rows.append(x.shape[0]) or fused(self, x, *rest))
-    prompts = [[(3 * i + 5 * j) % 200 + 3 for j in range(n)] for i, n in enumerate((40, 90, 20))]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    # As measured (AmxLinear.amx_fused_silu_pays): the 152M model's long prefills, not the 7M's.
+    pays = amx_linear.AmxLinear.amx_fused_silu_pays
+    assert pays(2048, 1024) and not pays(2048, 256) and not pays(128, 1024)
+    rows = _count_fused_rows(monkeypatch)
 
     def run(pays) -> list:
         monkeypatch.setattr(amx_linear.AmxLinear, "fused_silu_pays", staticmethod(pays))
-        with LLM(str(llama_dir), dtype="bfloat16", kv_cache_memory=1 << 22) as llm:
-            assert llm.engine.executor.worker.runner.model.model.layers[0].mlp.gate_up_proj.amx is not None
-            return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                    for o in llm.generate(prompts, params)]
+        return _gated_run(llama_dir, "amx")[0]
 
     with_fused = run(lambda n, k: n > 32)
     assert rows and min(rows) > 32  # the prefill steps only
     rows.clear()
     assert run(lambda n, k: False) == with_fused and not rows
+
+
+@needs_avx512_bf16
+def test_the_avx512_bf16_kernel_takes_the_fused_gated_product_in_every_step(llama_dir, monkeypatch):
+    """On the AVX512-BF16 kernel the gated product is one call at every size (measured
+    faster everywhere: ``fused_silu_pays``): prefill steps take ``linear_silu`` from the
+    layer path and decode steps inside the one-call decode step. The tokens and logprobs
+    are those of the two calls, with the fused form and the one-call step switched off."""
+    monkeypatch.setenv("ASERVE_CPU_AMX", "0")  # on an AMX CPU, the AVX512-BF16 kernel all the same
+    kernel = bf16_linear.load()
+    assert kernel.fused_silu_pays(1, 32) and kernel.fused_silu_pays(4096, 256)
+    rows = _count_fused_rows(monkeypatch)
+    with_fused, stacked = _gated_run(llama_dir, "avx512_bf16")
+    assert stacked and rows and max(rows) == 150  # the prefill step (its 150 prompt tokens) among them
+    rows.clear()
+    monkeypatch.setattr(amx_linear.AmxLinear, "fused_silu_pays", lambda self, n, k: False)
+    monkeypatch.setenv("ASERVE_CPU_FUSED_DECODE", "0")
+    assert _gated_run(llama_dir, "avx512_bf16") == (with_fused, False) and not rows

@@ -51,7 +51,7 @@ class AmxLinear:
         self._linear = getattr(lib, f"{prefix}_linear")
         self._linear.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
         self._linear.restype = ctypes.c_int
-        # The gated MLP's first half in one pass (AMX only; see linear_silu).
+        # The gated MLP's first half in one pass (see linear_silu).
         self._linear_silu = getattr(lib, f"{prefix}_linear_silu", None)
         if self._linear_silu is not None:
             self._linear_silu.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
@@ -62,10 +62,19 @@ class AmxLinear:
         rows: this kernel has the fused form, and each half is whole 32-column pairs."""
         return self._linear_silu is not None and out_features % 64 == 0 and out_features > 0
 
-    @staticmethod
-    def fused_silu_pays(rows: int, in_features: int) -> bool:
+    def fused_silu_pays(self, rows: int, in_features: int) -> bool:
         """Whether :meth:`linear_silu` beats the two calls for ``rows`` of
-        ``in_features``. Measured on the AMX machine, two threads, a layer: the 152M
+        ``in_features``. The AVX512-BF16 kernel: at every size measured (its item is the
+        plain product's group of two pairs either way; Zen 4, 2026-12-06, a layer, two
+        threads: the 152M MLP at 32 rows 1.043 -> 0.997 ms, 128 rows 3.81 -> 3.76, 2,048
+        rows 60.0 -> 56.7; K = 256, 704 wide, at 32 rows 0.083 -> 0.070, 4,096 rows 8.85
+        -> 8.07). AMX: :meth:`amx_fused_silu_pays`."""
+        return self.kind != "amx" or self.amx_fused_silu_pays(rows, in_features)
+
+    @staticmethod
+    def amx_fused_silu_pays(rows: int, in_features: int) -> bool:
+        """Whether the AMX kernel's :meth:`linear_silu` beats its two calls for ``rows``
+        of ``in_features``. Measured on the AMX machine, two threads, a layer: the 152M
         MLP (K = 1,024, 2 x 2,816 outputs) at 2,048 rows 12.3-12.9 -> 11.7-11.8 ms, at
         1,024 rows 6.53 -> 6.31, at 512 even (3.21 against 3.27); K = 512 at 2,048 rows
         even (3.47 against 3.36); the 7M MLP (K = 256) slower at 2,048 and 4,096 rows

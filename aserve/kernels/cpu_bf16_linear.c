@@ -21,15 +21,17 @@
  * to bf16 to nearest even: its value does not depend on the thread count or on the rows
  * around it, so the layer-by-layer path and the one-call decode step agree bit for bit.
  *
- * Threads: an item is a group of two pairs (decode: all rows; prefill, M > 32: a panel
- * of PANEL_ROWS rows), items group-major, shared out with work_next (cpu_kernels.h), so
- * a thread's consecutive items read the same weights from L2 and, at decode sizes, each
- * thread streams its own contiguous run of weights from memory.
+ * Threads: an item is a group of two pairs (up to PANEL_ROWS rows, the streaming form:
+ * all rows; more: a panel of PANEL_ROWS rows), items group-major, shared out with
+ * work_next (cpu_kernels.h), so a thread's consecutive items read the same weights from
+ * L2 and, in the streaming form, each thread streams its own contiguous run of weights
+ * from memory.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_bf16_pack.h"
+#include "cpu_fused_ops.c" /* silu_mul_row, for aserve_bf16_linear_silu */
 #include "cpu_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -52,7 +54,12 @@ void aserve_bf16_pack(const uint16_t *w, int64_t w_stride, uint16_t *out, int64_
 
 #if BF16_LINEAR_AVAILABLE
 /* Rows of x in a prefill item; 192 rows of a K = 1,024 x are 384 KiB, and the item's
- * weights (two pairs, 128 KiB at K = 1,024) stay in L2 while they pass. */
+ * weights (two pairs, 128 KiB at K = 1,024) stay in L2 while they pass. Up to this many
+ * rows in all, the product takes the streaming form instead (decode_sums): at 33-160
+ * rows, where each 6-row block over all of K left memory idle between its first block's
+ * waits, that form measured 258 -> 326 GFLOP/s at 33 rows, 294 -> 335 at 48, 307 -> 339
+ * at 64, 334 -> 353 at 96, 338 -> 354 at 128, 346 -> 360 at 160 and even from 192 (Zen 4,
+ * 2026-12-06, the 152M model's 48 weights, two threads, alternating, medians of six). */
 #define PANEL_ROWS 192
 /* Rows of float sums (64 apart in acc) -> bf16, rounded to nearest even, into y. */
 static void store_rows(const float *acc, int64_t rows, int cols, uint16_t *y, int64_t ldy) {
@@ -75,10 +82,14 @@ static void store_rows(const float *acc, int64_t rows, int cols, uint16_t *y, in
  * KiB a pass) lower, 370 against 390 at 32 rows and 281 against 345 at 16. */
 static inline int64_t decode_kc(int64_t M) { return M > 16 ? 32 : 4; }
 
-/* All rows (M <= 32) of the group of pairs at p, K-outer: each pass over decode_kc(M)
- * chunks of K runs every 6-row block before the next chunks, carrying the accumulators
- * in a 32 x 64 float buffer (8 KiB, in L1), and prefetches the next pass's weights into
- * L2 while it computes.
+/* The sums of all rows (M <= PANEL_ROWS) against one item's tiles (all four, or with
+ * `four` 0 the first two), K-outer, the streaming form: each pass over decode_kc(M)
+ * chunks of K runs every 6-row block before the next chunks, carrying the accumulators in
+ * acc (rows 64 apart: 8 KiB for 32 rows, in L1; up to 48 KiB, in L2), and prefetches the
+ * next pass's weights into L2 while it computes: the
+ * next chunks of the item's two pair runs (at tiles[0] and tiles[2]), or after its last
+ * pass the first chunks of the runs at next_a and next_b (the item the thread most likely
+ * takes next; either may be NULL).
  *
  * Why: with each row block running over all of K (bf16_item, the prefill form), the first
  * block waited on memory and the others computed with memory idle; the hardware
@@ -88,12 +99,8 @@ static inline int64_t decode_kc(int64_t M) { return M > 16 ? 32 : 4; }
  * 32.1 (1 row 10.6 against 16.9 ms, 8 rows 10.0 against 17.8; 128 rows even). Prefetching
  * into L1 instead (_MM_HINT_T0) held 1 row at 13.9 ms: the next pass's 16 KiB and this
  * one's together fill a Zen 4 core's 32 KiB L1. */
-static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy,
-                             int64_t M, int64_t p, int64_t pairs, int64_t KC) {
-    float acc[32 * 64] __attribute__((aligned(64)));
-    const int four = p + 1 < pairs;
-    const uint16_t *w = wp + p * KC * 1024;
-    const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512}; /* the two pairs' tiles */
+static void decode_sums(const uint16_t *x, int64_t ldx, const uint16_t *const tiles[4], int four, int64_t M,
+                        int64_t KC, const uint16_t *next_a, const uint16_t *next_b, float *acc) {
     const int64_t blocks = (M + 5) / 6;
     /* Blocks of 4 to 6 rows, as even as M allows (32 rows as 6, 6, 5, 5, 5, 5, not five
        of 6 and one of 2; 8 as 4 + 4), where a block of 1-3 rows issues its weight loads
@@ -107,17 +114,15 @@ static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp,
     const int64_t dkc = decode_kc(M);
     for (int64_t kc0 = 0; kc0 < KC; kc0 += dkc) {
         const int64_t nkc = KC - kc0 < dkc ? KC - kc0 : dkc;
-        /* The next pass's weights: the next chunks of these pairs, or the first chunks of
-           the next group (the item a thread most likely takes next); n chunks of a pair
-           are 32 n lines. */
+        /* n chunks of a pair are 32 n lines. */
         prefetch_run pr = {NULL, NULL, 0, 0, 0, 0};
         if (kc0 + dkc < KC) {
-            pr.a = (const char *)(w + (kc0 + dkc) * 1024);
-            pr.b = four ? (const char *)(w + (KC + kc0 + dkc) * 1024) : NULL;
+            pr.a = (const char *)(tiles[0] + (kc0 + dkc) * 1024);
+            pr.b = four ? (const char *)(tiles[2] + (kc0 + dkc) * 1024) : NULL;
             pr.run = 32 * (KC - kc0 - dkc < dkc ? KC - kc0 - dkc : dkc);
-        } else if (p + 2 < pairs) {
-            pr.a = (const char *)(wp + (p + 2) * KC * 1024);
-            pr.b = p + 3 < pairs ? (const char *)(wp + (p + 3) * KC * 1024) : NULL;
+        } else if (next_a != NULL) {
+            pr.a = (const char *)next_a;
+            pr.b = (const char *)next_b;
             pr.run = 32 * (KC < dkc ? KC : dkc);
         }
         pr.end = 2 * pr.run;
@@ -130,6 +135,18 @@ static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp,
             r += mr;
         }
     }
+}
+
+/* All rows (M <= PANEL_ROWS) of the group of pairs at p (two pairs, or one: the last of
+ * an odd count); the next group's runs are prefetched behind it. */
+static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy,
+                             int64_t M, int64_t p, int64_t pairs, int64_t KC) {
+    float acc[PANEL_ROWS * 64] __attribute__((aligned(64)));
+    const int four = p + 1 < pairs;
+    const uint16_t *w = wp + p * KC * 1024;
+    const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512}; /* the two pairs' tiles */
+    decode_sums(x, ldx, tiles, four, M, KC, p + 2 < pairs ? wp + (p + 2) * KC * 1024 : NULL,
+                p + 3 < pairs ? wp + (p + 3) * KC * 1024 : NULL, acc);
     store_rows(acc, M, four ? 64 : 32, y + 32 * p, ldy);
 }
 
@@ -149,17 +166,58 @@ static void bf16_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16
         store_rows(acc, mr, four ? 64 : 32, y + r * ldy + 32 * p, ldy);
     }
 }
-#endif
+/* Rows of sums (64 apart in acc: a gate pair's 32, then the matching up pair's 32) ->
+ * silu(gate) * up, 32 bf16 a row into y: each sum rounded to bf16 as store_rows rounds
+ * it, then aserve_silu_mul's own row function, so the bits are the two calls'. */
+static void store_silu_rows(const float *acc, int64_t rows, uint16_t *y, int64_t ldy) {
+    uint16_t gu[64] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < rows; r++) {
+        for (int c = 0; c < 64; c += 16)
+            _mm256_store_si256((__m256i *)(gu + c), to_bf16x16(_mm512_load_ps(acc + r * 64 + c)));
+        silu_mul_row(gu, gu + 32, y + r * ldy, 32, 1);
+    }
+}
 
-/* y[M, N] (rows `y_stride` apart) = x[M, K] (rows `x_stride` apart) . W^T, W packed by
- * aserve_bf16_pack. Returns 0, or -1 when the shape is not supported (M < 1, K or N not
- * a multiple of 32) or the kernel is not built (no AVX512-BF16). */
-int aserve_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
-                       int64_t M, int64_t N, int64_t K, int num_threads) {
-#if BF16_LINEAR_AVAILABLE
-    if (M < 1 || K % 32 || N % 32) return -1;
-    const int64_t pairs = N / 32, KC = K / 32, groups = (pairs + 1) / 2;
-    const int64_t panels = M > 32 ? (M + PANEL_ROWS - 1) / PANEL_ROWS : 1, items = groups * panels;
+/* One item of the gated product: gate pair p and up pair p + half (their four tiles, as
+ * one group of the plain product has), rows [m0, m1): with M <= PANEL_ROWS all rows
+ * K-outer as bf16_decode_item runs them (prefetching pair p + 1's two runs behind), else
+ * 6-row blocks over all of K as bf16_item does. */
+static void bf16_silu_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t M,
+                           int64_t m0, int64_t m1, int64_t p, int64_t half, int64_t KC) {
+    float acc[PANEL_ROWS * 64] __attribute__((aligned(64)));
+    const uint16_t *g = wp + p * KC * 1024, *u = wp + (p + half) * KC * 1024;
+    const uint16_t *const tiles[4] = {g, g + 512, u, u + 512};
+    if (M <= PANEL_ROWS) {
+        const int more = p + 1 < half;
+        decode_sums(x, ldx, tiles, 1, M, KC, more ? g + KC * 1024 : NULL, more ? u + KC * 1024 : NULL, acc);
+        store_silu_rows(acc, M, y + 32 * p, ldy);
+        return;
+    }
+    prefetch_run none = {NULL, NULL, 0, 0, 0, 0};
+    for (int64_t r = m0; r < m1; r += 6) {
+        const int mr = (int)(m1 - r < 6 ? m1 - r : 6);
+        BF16_BLOCK_TABLE[mr - 1][3](x + r * ldx, ldx, tiles, 1024, 0, KC, acc, 64, 1, &none);
+        store_silu_rows(acc, mr, y + r * ldy + 32 * p, ldy);
+    }
+}
+/* Item g of the plain product: the group of pairs 2g, 2g + 1 over rows [m0, m1). */
+static void linear_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t M,
+                        int64_t m0, int64_t m1, int64_t g, int64_t pairs, int64_t KC) {
+    if (M <= PANEL_ROWS)
+        bf16_decode_item(x, ldx, wp, y, ldy, M, 2 * g, pairs, KC);
+    else
+        bf16_item(x, ldx, wp, y, ldy, m0, m1, 2 * g, pairs, KC);
+}
+
+typedef void (*item_fn)(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int64_t);
+
+/* Runs `fn` on every item (g, panel), g < groups, with M split into panels of PANEL_ROWS
+ * (one panel up to PANEL_ROWS rows), items group-major between the threads (work_next);
+ * `n` and KC are passed through to fn after g. */
+static void run_items(item_fn fn, const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy,
+                      int64_t M, int64_t groups, int64_t n, int64_t KC, int num_threads) {
+    const int64_t panels = (M + PANEL_ROWS - 1) / PANEL_ROWS, items = groups * panels;
     if (num_threads > items) num_threads = (int)items;
     if (num_threads < 1) num_threads = 1;
     work_range ranges[num_threads];
@@ -171,17 +229,46 @@ int aserve_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, 
         t = omp_get_thread_num();
 #endif
         for (int64_t i; (i = work_next(ranges, t, num_threads)) >= 0;) {
-            const int64_t g = i / panels, panel = i % panels;
-            const int64_t m0 = panel * PANEL_ROWS, m1 = panels == 1 ? M : (m0 + PANEL_ROWS < M ? m0 + PANEL_ROWS : M);
-            if (panels == 1 && M <= 32)
-                bf16_decode_item(x, x_stride, wp, y, y_stride, M, 2 * g, pairs, KC);
-            else
-                bf16_item(x, x_stride, wp, y, y_stride, m0, m1, 2 * g, pairs, KC);
+            const int64_t g = i / panels, m0 = (i % panels) * PANEL_ROWS;
+            fn(x, ldx, wp, y, ldy, M, m0, m0 + PANEL_ROWS < M ? m0 + PANEL_ROWS : M, g, n, KC);
         }
     }
+}
+#endif
+
+/* y[M, N] (rows `y_stride` apart) = x[M, K] (rows `x_stride` apart) . W^T, W packed by
+ * aserve_bf16_pack. Returns 0, or -1 when the shape is not supported (M < 1, K or N not
+ * a multiple of 32) or the kernel is not built (no AVX512-BF16). */
+int aserve_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
+                       int64_t M, int64_t N, int64_t K, int num_threads) {
+#if BF16_LINEAR_AVAILABLE
+    if (M < 1 || K % 32 || N % 32) return -1;
+    const int64_t pairs = N / 32;
+    run_items(linear_item, x, x_stride, wp, y, y_stride, M, (pairs + 1) / 2, pairs, K / 32, num_threads);
     return 0;
 #else
     (void)x; (void)x_stride; (void)wp; (void)y; (void)y_stride; (void)M; (void)N; (void)K; (void)num_threads;
+    return -1;
+#endif
+}
+
+/* The gated MLP's first half in one call: y[M, I] (rows `y_stride` apart) =
+ * silu(x . W_gate^T) * (x . W_up^T), W = [gate; up] ([2I, K]) packed by aserve_bf16_pack,
+ * so pairs [0, I/32) are the gate's and [I/32, 2 I/32) the up's, I a multiple of 32: the
+ * bits of aserve_bf16_linear followed by aserve_silu_mul, without the [M, 2I] product
+ * written out and read back, and without the activation's own parallel region (in the
+ * one-call decode step, one barrier fewer a layer). An item is a gate pair with its up
+ * pair (the plain product's group of two pairs, in arithmetic and weight bytes), over all
+ * rows up to PANEL_ROWS of them, else a panel of PANEL_ROWS. Returns 0, or -1 for a
+ * shape it does not take (M < 1, K or I not a multiple of 32) or without AVX512-BF16. */
+int aserve_bf16_linear_silu(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
+                            int64_t M, int64_t I, int64_t K, int num_threads) {
+#if BF16_LINEAR_AVAILABLE
+    if (M < 1 || K % 32 || I % 32 || I < 32) return -1;
+    run_items(bf16_silu_item, x, x_stride, wp, y, y_stride, M, I / 32, I / 32, K / 32, num_threads);
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)wp; (void)y; (void)y_stride; (void)M; (void)I; (void)K; (void)num_threads;
     return -1;
 #endif
 }

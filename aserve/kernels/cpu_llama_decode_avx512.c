@@ -8,4 +8,5 @@
 #include "cpu_decode_attention.c"
 
 #define BF16_LINEAR aserve_bf16_linear
+#define BF16_LINEAR_SILU aserve_bf16_linear_silu /* the MLP's first half: one call, one barrier fewer */
 #include "cpu_llama_decode_bf16.h"

@@ -1,10 +1,15 @@
 /* The linear layers of the bf16 one-call decode steps: cpu_llama_decode.c (AMX) and
  * cpu_llama_decode_avx512.c (AVX512-BF16). Each includes its linear kernel, defines
  * BF16_LINEAR as that kernel's entry point (both take the same arguments and weights
- * packed in the same layout, with widths that are multiples of 32), and includes this
- * file, which brings in the shared layer stack (cpu_llama_decode_body.h). */
+ * packed in the same layout, with widths that are multiples of 32), optionally
+ * BF16_LINEAR_SILU as its gated product in one call (the AVX512-BF16 kernel's; the AMX
+ * stack keeps the two calls, its fused form measured only at prefill sizes), and
+ * includes this file, which brings in the shared layer stack (cpu_llama_decode_body.h). */
 #define ELEM uint16_t
 #define IS_BF16 1
+#ifdef BF16_LINEAR_SILU
+#define HAS_LINEAR_SILU 1
+#endif
 #include "cpu_llama_decode_body.h"
 
 /* y[r][i] += b[i] for r < rows, i < n, rounded to bf16 as torch's bf16 add_ is (in float,
@@ -35,3 +40,11 @@ static int linear_bias(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w,
     if (rc == 0) add_bias_bf16(y, ldy, b, rows, n_bias);
     return rc;
 }
+
+#ifdef HAS_LINEAR_SILU
+static int linear_silu(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, ELEM *act, int64_t rows,
+                       int64_t inter, int64_t k, int nt) {
+    (void)d;
+    return BF16_LINEAR_SILU(x, ldx, w, act, inter, rows, inter, k, nt);
+}
+#endif

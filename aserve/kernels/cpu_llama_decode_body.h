@@ -53,6 +53,14 @@ static int linear(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, ELEM
                   int64_t n, int64_t k, int nt);
 static int linear_bias(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, const ELEM *b, int64_t n_bias,
                        ELEM *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int nt);
+/* A variant whose kernel has the gated product in one call (the bits of `linear` followed
+ * by aserve_silu_mul) defines HAS_LINEAR_SILU before including this file, and after it
+ *   linear_silu: act[rows, inter] (rows `inter` apart) = silu(x Wg^T) * (x Wu^T), W the
+ *                [gate; up] weight with inter a multiple of 32. */
+#ifdef HAS_LINEAR_SILU
+static int linear_silu(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, ELEM *act, int64_t rows,
+                       int64_t inter, int64_t k, int nt);
+#endif
 
 /* The attention half of layer i: x (or, for layer 0, x_in) and the residual -> o, the
  * o_proj output (this rank's partial sum when the layer is split between ranks). */
@@ -102,9 +110,16 @@ static int mlp_half(const LayerWeights *layers, int64_t i, const Dims *d, const 
     int rc = aserve_rms_norm(s->o, d->o_width, s->residual, H, s->residual, w->post_norm, s->h, B, H, d->eps, IS_BF16,
                              nt);
     if (rc) return rc;
-    rc = linear(d, s->h, H, w->w_gate_up, s->gate_up, d->gate_up_width, B, d->gate_up_width, H, nt);
+    int fused = 0;
+#ifdef HAS_LINEAR_SILU
+    fused = d->inter % 32 == 0 && d->gate_up_width == 2 * d->inter; /* each half whole pairs, unpadded */
+    if (fused) rc = linear_silu(d, s->h, H, w->w_gate_up, s->act, B, d->inter, H, nt);
+#endif
+    if (!fused) {
+        rc = linear(d, s->h, H, w->w_gate_up, s->gate_up, d->gate_up_width, B, d->gate_up_width, H, nt);
+        if (rc == 0) aserve_silu_mul(s->gate_up, d->gate_up_width, s->act, B, d->inter, IS_BF16, nt);
+    }
     if (rc) return rc;
-    aserve_silu_mul(s->gate_up, d->gate_up_width, s->act, B, d->inter, IS_BF16, nt);
     return linear(d, s->act, d->inter, w->w_down, s->x, d->down_width, B, d->down_width, d->inter, nt);
 }
 

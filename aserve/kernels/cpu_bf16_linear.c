@@ -76,7 +76,8 @@ static void store_rows(const float *acc, int64_t rows, int cols, uint16_t *y, in
  * per 512 pairs of K, not once per 64. On a Zen 4 (2026-12-06, the 152M model's 48
  * weights at 32 rows, two threads, alternating in one process, medians of 16): 348 ->
  * 366 and 347 -> 361 GFLOP/s (24 rows 345 -> 352, 341 -> 366); in the one-call decode
- * step, 40.1 -> 36.2 ms (scripts/decode_roofline.py, six each). 16 rows measured 276
+ * step of 32 rows, the two forms taking turns step by step in one process (192 steps
+ * each), 38.18 -> 37.33 and 37.03 -> 36.15 ms, 2.3%. 16 rows measured 276
  * against 263, 8 rows 201 against 188, 1 row 31 against 29: the short passes stay there.
  * 24, 48 or 64 chunks measured as 32 or below; all of K (88 chunks for down_proj, 352
  * KiB a pass) lower, 370 against 390 at 32 rows and 281 against 345 at 16. */

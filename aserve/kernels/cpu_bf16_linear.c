@@ -87,10 +87,9 @@ static inline int64_t decode_kc(int64_t M) { return M > 16 ? 32 : 4; }
  * `four` 0 the first two), K-outer, the streaming form: each pass over decode_kc(M)
  * chunks of K runs every 6-row block before the next chunks, carrying the accumulators in
  * acc (rows 64 apart: 8 KiB for 32 rows, in L1; up to 48 KiB, in L2), and prefetches the
- * next pass's weights into L2 while it computes: the
- * next chunks of the item's two pair runs (at tiles[0] and tiles[2]), or after its last
- * pass the first chunks of the runs at next_a and next_b (the item the thread most likely
- * takes next; either may be NULL).
+ * next pass's weights into L2 while it computes: the next chunks of the item's two pair
+ * runs (at tiles[0] and tiles[2]), or after its last pass the first chunks of the runs at
+ * next_a and next_b (the item the thread most likely takes next; either may be NULL).
  *
  * Why: with each row block running over all of K (bf16_item, the prefill form), the first
  * block waited on memory and the others computed with memory idle; the hardware
@@ -167,6 +166,7 @@ static void bf16_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16
         store_rows(acc, mr, four ? 64 : 32, y + r * ldy + 32 * p, ldy);
     }
 }
+
 /* Rows of sums (64 apart in acc: a gate pair's 32, then the matching up pair's 32) ->
  * silu(gate) * up, 32 bf16 a row into y: each sum rounded to bf16 as store_rows rounds
  * it, then aserve_silu_mul's own row function, so the bits are the two calls'. */
@@ -201,6 +201,7 @@ static void bf16_silu_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, u
         store_silu_rows(acc, mr, y + r * ldy + 32 * p, ldy);
     }
 }
+
 /* Item g of the plain product: the group of pairs 2g, 2g + 1 over rows [m0, m1). */
 static void linear_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t M,
                         int64_t m0, int64_t m1, int64_t g, int64_t pairs, int64_t KC) {

@@ -28,7 +28,7 @@ static inline void prefetch_some(prefetch_run *pr) {
     for (int i = 0; i < pr->per_iter && pr->next < pr->end; i++, pr->next++) {
         const int in_a = pr->next < pr->run;
         const char *base = in_a ? pr->a : pr->b;
-        if (base) /* L2: see bf16_decode_item */
+        if (base) /* L2: see cpu_bf16_linear.c, decode_sums */
             _mm_prefetch(base + 64 * (in_a ? pr->next : pr->next - pr->run), _MM_HINT_T1);
     }
 }

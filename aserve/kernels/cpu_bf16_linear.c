@@ -91,7 +91,7 @@ static inline int64_t decode_kc(int64_t M) { return M > 16 ? 32 : 4; }
  * runs (at tiles[0] and tiles[2]), or after its last pass the first chunks of the runs at
  * next_a and next_b (the item the thread most likely takes next; either may be NULL).
  *
- * Why: with each row block running over all of K (bf16_item, the prefill form), the first
+ * Why: with each row block running over all of K (run_item's prefill form), the first
  * block waited on memory and the others computed with memory idle; the hardware
  * prefetchers did not run far enough ahead to overlap the two. The 152M model's 12
  * layers of weights (308 MB, from 2 MiB pages, two Zen 4 threads, 2026-12-02) took 35.9
@@ -137,38 +137,8 @@ static void decode_sums(const uint16_t *x, int64_t ldx, const uint16_t *const ti
     }
 }
 
-/* All rows (M <= PANEL_ROWS) of the group of pairs at p (two pairs, or one: the last of
- * an odd count); the next group's runs are prefetched behind it. */
-static void bf16_decode_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy,
-                             int64_t M, int64_t p, int64_t pairs, int64_t KC) {
-    float acc[PANEL_ROWS * 64] __attribute__((aligned(64)));
-    const int four = p + 1 < pairs;
-    const uint16_t *w = wp + p * KC * 1024;
-    const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512}; /* the two pairs' tiles */
-    decode_sums(x, ldx, tiles, four, M, KC, p + 2 < pairs ? wp + (p + 2) * KC * 1024 : NULL,
-                p + 3 < pairs ? wp + (p + 3) * KC * 1024 : NULL, acc);
-    store_rows(acc, M, four ? 64 : 32, y + 32 * p, ldy);
-}
-
-/* Rows [m0, m1) of the group of pairs starting at p (two pairs, or one: the last of an
- * odd count), each 6-row block over all of K: the prefill form, whose item's weights
- * stay in L2 while its PANEL_ROWS rows pass. */
-static void bf16_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t m0,
-                      int64_t m1, int64_t p, int64_t pairs, int64_t KC) {
-    float acc[6 * 64] __attribute__((aligned(64)));
-    prefetch_run none = {NULL, NULL, 0, 0, 0, 0};
-    const int four = p + 1 < pairs;
-    const uint16_t *w = wp + p * KC * 1024;
-    const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512};
-    for (int64_t r = m0; r < m1; r += 6) {
-        const int mr = (int)(m1 - r < 6 ? m1 - r : 6);
-        BF16_BLOCK_TABLE[mr - 1][four ? 3 : 1](x + r * ldx, ldx, tiles, 1024, 0, KC, acc, 64, 1, &none);
-        store_rows(acc, mr, four ? 64 : 32, y + r * ldy + 32 * p, ldy);
-    }
-}
-
-/* Rows of sums (64 apart in acc: a gate pair's 32, then the matching up pair's 32) ->
- * silu(gate) * up, 32 bf16 a row into y: each sum rounded to bf16 as store_rows rounds
+/* Rows of float sums (64 apart in acc: a gate pair's 32, then the matching up pair's 32)
+ * -> silu(gate) * up, 32 bf16 a row into y: each sum rounded to bf16 as store_rows rounds
  * it, then aserve_silu_mul's own row function, so the bits are the two calls'. */
 static void store_silu_rows(const float *acc, int64_t rows, uint16_t *y, int64_t ldy) {
     uint16_t gu[64] __attribute__((aligned(64)));
@@ -179,36 +149,52 @@ static void store_silu_rows(const float *acc, int64_t rows, uint16_t *y, int64_t
     }
 }
 
-/* One item of the gated product: gate pair p and up pair p + half (their four tiles, as
- * one group of the plain product has), rows [m0, m1): with M <= PANEL_ROWS all rows
- * K-outer as bf16_decode_item runs them (prefetching pair p + 1's two runs behind), else
- * 6-row blocks over all of K as bf16_item does. */
-static void bf16_silu_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t M,
-                           int64_t m0, int64_t m1, int64_t p, int64_t half, int64_t KC) {
+/* Rows [m0, m1) of one item: its tiles' sums (all four, or with `four` 0 the first two),
+ * stored as they are (store_rows) or, with `silu`, as silu(gate) * up of a gate pair (the
+ * first two tiles) and its up pair (store_silu_rows), into y (offset to the item's
+ * columns). Up to PANEL_ROWS rows in all, the streaming form (decode_sums, the runs at
+ * next_a and next_b prefetched behind it; then m0 = 0, m1 = M); more, the prefill form:
+ * each 6-row block over all of K, the item's weights staying in L2 while its panel of
+ * rows passes. */
+static void run_item(const uint16_t *x, int64_t ldx, const uint16_t *const tiles[4], int four, int64_t M, int64_t m0,
+                     int64_t m1, int64_t KC, const uint16_t *next_a, const uint16_t *next_b, int silu, uint16_t *y,
+                     int64_t ldy) {
     float acc[PANEL_ROWS * 64] __attribute__((aligned(64)));
-    const uint16_t *g = wp + p * KC * 1024, *u = wp + (p + half) * KC * 1024;
-    const uint16_t *const tiles[4] = {g, g + 512, u, u + 512};
     if (M <= PANEL_ROWS) {
-        const int more = p + 1 < half;
-        decode_sums(x, ldx, tiles, 1, M, KC, more ? g + KC * 1024 : NULL, more ? u + KC * 1024 : NULL, acc);
-        store_silu_rows(acc, M, y + 32 * p, ldy);
+        decode_sums(x, ldx, tiles, four, M, KC, next_a, next_b, acc);
+        if (silu) store_silu_rows(acc, M, y, ldy);
+        else store_rows(acc, M, four ? 64 : 32, y, ldy);
         return;
     }
     prefetch_run none = {NULL, NULL, 0, 0, 0, 0};
     for (int64_t r = m0; r < m1; r += 6) {
         const int mr = (int)(m1 - r < 6 ? m1 - r : 6);
-        BF16_BLOCK_TABLE[mr - 1][3](x + r * ldx, ldx, tiles, 1024, 0, KC, acc, 64, 1, &none);
-        store_silu_rows(acc, mr, y + r * ldy + 32 * p, ldy);
+        BF16_BLOCK_TABLE[mr - 1][four ? 3 : 1](x + r * ldx, ldx, tiles, 1024, 0, KC, acc, 64, 1, &none);
+        if (silu) store_silu_rows(acc, mr, y + r * ldy, ldy);
+        else store_rows(acc, mr, four ? 64 : 32, y + r * ldy, ldy);
     }
 }
 
-/* Item g of the plain product: the group of pairs 2g, 2g + 1 over rows [m0, m1). */
+/* Item g of the plain product: the group of pairs p = 2g, 2g + 1 (or p alone, the last of
+ * an odd count), the next group's runs prefetched behind it. */
 static void linear_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t M,
                         int64_t m0, int64_t m1, int64_t g, int64_t pairs, int64_t KC) {
-    if (M <= PANEL_ROWS)
-        bf16_decode_item(x, ldx, wp, y, ldy, M, 2 * g, pairs, KC);
-    else
-        bf16_item(x, ldx, wp, y, ldy, m0, m1, 2 * g, pairs, KC);
+    const int64_t p = 2 * g;
+    const uint16_t *w = wp + p * KC * 1024;
+    const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512}; /* the two pairs' tiles */
+    run_item(x, ldx, tiles, p + 1 < pairs, M, m0, m1, KC, p + 2 < pairs ? wp + (p + 2) * KC * 1024 : NULL,
+             p + 3 < pairs ? wp + (p + 3) * KC * 1024 : NULL, 0, y + 32 * p, ldy);
+}
+
+/* Item p of the gated product: gate pair p and up pair p + half (four tiles, as one group
+ * of the plain product has), pair p + 1's two runs prefetched behind it. */
+static void silu_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t M,
+                      int64_t m0, int64_t m1, int64_t p, int64_t half, int64_t KC) {
+    const uint16_t *g = wp + p * KC * 1024, *u = wp + (p + half) * KC * 1024;
+    const uint16_t *const tiles[4] = {g, g + 512, u, u + 512};
+    const int more = p + 1 < half;
+    run_item(x, ldx, tiles, 1, M, m0, m1, KC, more ? g + KC * 1024 : NULL, more ? u + KC * 1024 : NULL, 1,
+             y + 32 * p, ldy);
 }
 
 typedef void (*item_fn)(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t,
@@ -267,7 +253,7 @@ int aserve_bf16_linear_silu(const uint16_t *x, int64_t x_stride, const uint16_t 
                             int64_t M, int64_t I, int64_t K, int num_threads) {
 #if BF16_LINEAR_AVAILABLE
     if (M < 1 || K % 32 || I % 32 || I < 32) return -1;
-    run_items(bf16_silu_item, x, x_stride, wp, y, y_stride, M, I / 32, I / 32, K / 32, num_threads);
+    run_items(silu_item, x, x_stride, wp, y, y_stride, M, I / 32, I / 32, K / 32, num_threads);
     return 0;
 #else
     (void)x; (void)x_stride; (void)wp; (void)y; (void)y_stride; (void)M; (void)I; (void)K; (void)num_threads;

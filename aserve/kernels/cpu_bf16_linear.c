@@ -114,20 +114,20 @@ static void decode_sums(const uint16_t *x, int64_t ldx, const uint16_t *const ti
     const int64_t dkc = decode_kc(M);
     for (int64_t kc0 = 0; kc0 < KC; kc0 += dkc) {
         const int64_t nkc = KC - kc0 < dkc ? KC - kc0 : dkc;
-        /* n chunks of a pair are 32 n lines. */
-        prefetch_run pr = {NULL, NULL, 0, 0, 0, 0};
+        /* The runs to prefetch, `lines` lines each (n chunks of a pair are 32 n lines). */
+        const char *ra = NULL, *rb = NULL;
+        int64_t lines = 0;
         if (kc0 + dkc < KC) {
-            pr.a = (const char *)(tiles[0] + (kc0 + dkc) * 1024);
-            pr.b = four ? (const char *)(tiles[2] + (kc0 + dkc) * 1024) : NULL;
-            pr.run = 32 * (KC - kc0 - dkc < dkc ? KC - kc0 - dkc : dkc);
+            ra = (const char *)(tiles[0] + (kc0 + dkc) * 1024);
+            rb = four ? (const char *)(tiles[2] + (kc0 + dkc) * 1024) : NULL;
+            lines = 32 * (KC - kc0 - dkc < dkc ? KC - kc0 - dkc : dkc);
         } else if (next_a != NULL) {
-            pr.a = (const char *)next_a;
-            pr.b = (const char *)next_b;
-            pr.run = 32 * (KC < dkc ? KC : dkc);
+            ra = (const char *)next_a;
+            rb = (const char *)next_b;
+            lines = 32 * (KC < dkc ? KC : dkc);
         }
-        pr.end = 2 * pr.run;
-        const int64_t iters = blocks * nkc * 16;
-        pr.per_iter = (int)((pr.end + iters - 1) / iters);
+        const int64_t iters = blocks * nkc * 16, total = (ra ? lines : 0) + (rb ? lines : 0);
+        prefetch_run pr = {ra, ra ? ra + 64 * lines : NULL, rb, 64 * lines, (int)((total + iters - 1) / iters)};
         for (int64_t b = 0, r = 0; b < blocks; b++) {
             const int mr = balanced ? (int)((M - r + blocks - b - 1) / (blocks - b)) : (int)(M - r < 6 ? M - r : 6);
             BF16_BLOCK_TABLE[mr - 1][four ? 3 : 1](x + r * ldx, ldx, tiles, 1024, kc0, nkc, acc + r * 64, 64,
@@ -166,7 +166,7 @@ static void run_item(const uint16_t *x, int64_t ldx, const uint16_t *const tiles
         else store_rows(acc, M, four ? 64 : 32, y, ldy);
         return;
     }
-    prefetch_run none = {NULL, NULL, 0, 0, 0, 0};
+    prefetch_run none = {NULL, NULL, NULL, 0, 0};
     for (int64_t r = m0; r < m1; r += 6) {
         const int mr = (int)(m1 - r < 6 ? m1 - r : 6);
         BF16_BLOCK_TABLE[mr - 1][four ? 3 : 1](x + r * ldx, ldx, tiles, 1024, 0, KC, acc, 64, 1, &none);

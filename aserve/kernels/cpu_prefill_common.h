@@ -98,7 +98,7 @@ static void layout_values(const KeyRows *v, int64_t len, int64_t D, uint32_t *vv
  * them); KP a multiple of 16. `first`: 1 to write out, 0 to add to it. */
 static void pa_product(const uint16_t *a, int64_t lda, int rows, const uint32_t *b, int64_t tiles,
                        int64_t tile_stride, int64_t chunk_stride, int64_t KP, float *out, int64_t ld, int first) {
-    prefetch_run none = {NULL, NULL, 0, 0, 0, 0};
+    prefetch_run none = {NULL, NULL, NULL, 0, 0};
     for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
         const int nt = (int)(tiles - t0 < 4 ? tiles - t0 : 4);
         const uint16_t *tile[4];

@@ -83,10 +83,10 @@ static inline __m512bh pair_of_x(const uint16_t *x) { /* x[0], x[1] in every 32-
 /* MR rows of a (bf16, rows lda apart) against NT tiles (tile[t]: its chunk 0; chunks
  * `chunk` elements apart), over chunks [kc0, kc0 + nkc) (32 of the summed dimension
  * each). The sums start from acc (float, rows ld apart, tile t at column 16 t), or from
- * zero when `first`, and are stored back there; each pair also issues its share of
- * pr's prefetches, from a copy of *pr written back at the end. Why the copy: the
- * vector loads may alias anything (their type is may_alias), so with the cursor in *pr
- * GCC stored and reloaded it every pair of K, and spilled a weight vector beside it; the
+ * zero when `first`, and are stored back there; each pair also issues its share of the
+ * run *pr_out's prefetches, from a local copy written back at the end. Why the copy: the
+ * vector loads may alias anything (their type is may_alias), so with the run behind a
+ * pointer GCC stored the cursor and reloaded the run's fields every pair of K; the
  * decode form (cpu_bf16_linear.c, decode_sums) measured 368-372 -> 406-407 GFLOP/s at 32
  * rows, 364 -> 401 at 24, 393 -> 424 at 64 (Zen 4, 2026-12-07, the 152M model's 48
  * weights cycled, two threads, medians of eight alternating rounds), 2,048 rows even. */

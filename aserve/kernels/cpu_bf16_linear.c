@@ -175,52 +175,130 @@ static void run_item(const uint16_t *x, int64_t ldx, const uint16_t *const tiles
     }
 }
 
+/* Two weight runs to prefetch behind an item (either may be NULL). */
+typedef struct {
+    const uint16_t *a, *b;
+} item_runs;
+
+/* The product the caller runs next (bf16_next): its packed weights, output width n and
+ * summed width k, and whether it is the gated form (n then being I, the gate's width). */
+typedef struct {
+    const uint16_t *w;
+    int64_t n, k;
+    int silu;
+} bf16_next;
+
+/* The runs of item g of the plain product (pairs 2g and 2g + 1) and of the gated one
+ * (gate pair g and up pair g + half): what its first pass reads. */
+static item_runs plain_runs(const uint16_t *wp, int64_t g, int64_t pairs, int64_t KC) {
+    const item_runs r = {2 * g < pairs ? wp + 2 * g * KC * 1024 : NULL,
+                         2 * g + 1 < pairs ? wp + (2 * g + 1) * KC * 1024 : NULL};
+    return r;
+}
+
+static item_runs silu_runs(const uint16_t *wp, int64_t g, int64_t half, int64_t KC) {
+    const item_runs r = {wp + g * KC * 1024, wp + (g + half) * KC * 1024};
+    return r;
+}
+
 /* Item g of the plain product: the group of pairs p = 2g, 2g + 1 (or p alone, the last of
- * an odd count), the next group's runs prefetched behind it. */
+ * an odd count), the next group's runs prefetched behind it, or where `after` is not
+ * NULL (the thread's last item of its own range) those runs. */
 static void linear_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t M,
-                        int64_t m0, int64_t m1, int64_t g, int64_t pairs, int64_t KC) {
+                        int64_t m0, int64_t m1, int64_t g, int64_t pairs, int64_t KC, const item_runs *after) {
     const int64_t p = 2 * g;
     const uint16_t *w = wp + p * KC * 1024;
     const uint16_t *const tiles[4] = {w, w + 512, w + KC * 1024, w + KC * 1024 + 512}; /* the two pairs' tiles */
-    run_item(x, ldx, tiles, p + 1 < pairs, M, m0, m1, KC, p + 2 < pairs ? wp + (p + 2) * KC * 1024 : NULL,
-             p + 3 < pairs ? wp + (p + 3) * KC * 1024 : NULL, 0, y + 32 * p, ldy);
+    const item_runs next = after ? *after : plain_runs(wp, g + 1, pairs, KC);
+    run_item(x, ldx, tiles, p + 1 < pairs, M, m0, m1, KC, next.a, next.b, 0, y + 32 * p, ldy);
 }
 
 /* Item p of the gated product: gate pair p and up pair p + half (four tiles, as one group
- * of the plain product has), pair p + 1's two runs prefetched behind it. */
+ * of the plain product has), pair p + 1's two runs prefetched behind it (or `after`'s,
+ * as above). */
 static void silu_item(const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy, int64_t M,
-                      int64_t m0, int64_t m1, int64_t p, int64_t half, int64_t KC) {
+                      int64_t m0, int64_t m1, int64_t p, int64_t half, int64_t KC, const item_runs *after) {
     const uint16_t *g = wp + p * KC * 1024, *u = wp + (p + half) * KC * 1024;
     const uint16_t *const tiles[4] = {g, g + 512, u, u + 512};
-    const int more = p + 1 < half;
-    run_item(x, ldx, tiles, 1, M, m0, m1, KC, more ? g + KC * 1024 : NULL, more ? u + KC * 1024 : NULL, 1,
-             y + 32 * p, ldy);
+    const item_runs none = {NULL, NULL};
+    const item_runs next = after ? *after : p + 1 < half ? silu_runs(wp, p + 1, half, KC) : none;
+    run_item(x, ldx, tiles, 1, M, m0, m1, KC, next.a, next.b, 1, y + 32 * p, ldy);
 }
 
 typedef void (*item_fn)(const uint16_t *, int64_t, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, int64_t);
+                        int64_t, int64_t, int64_t, const item_runs *);
+
+/* How run_items shares a product of `groups` groups over M rows between up to
+ * `num_threads` threads: its thread count, and its items (group-major, `panels` a group). */
+static int items_threads(int64_t M, int64_t groups, int num_threads, int64_t *items, int64_t *panels) {
+    *panels = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+    *items = groups * *panels;
+    if (num_threads > *items) num_threads = (int)*items;
+    return num_threads < 1 ? 1 : num_threads;
+}
+
+/* For each of the `nt` threads of the product now running: the runs its first item of the
+ * product `next` (same rows M, up to `num_threads` threads) reads first, or none where
+ * that product has fewer threads. Thread t starts on its own range (work_split), so
+ * these are the weights it reads first unless another thread has already taken them. */
+static void next_first_runs(const bf16_next *next, int64_t M, int num_threads, int nt, item_runs *out) {
+    const int64_t KC = next->k / 32, pairs = next->n / 32, groups = next->silu ? pairs : (pairs + 1) / 2;
+    int64_t items, panels;
+    const int nn = items_threads(M, groups, num_threads, &items, &panels);
+    for (int t = 0; t < nt; t++) {
+        const item_runs none = {NULL, NULL};
+        const int64_t g = t < nn ? items * t / nn / panels : 0;
+        out[t] = t >= nn ? none : next->silu ? silu_runs(next->w, g, pairs, KC) : plain_runs(next->w, g, pairs, KC);
+    }
+}
 
 /* Runs `fn` on every item (g, panel), g < groups, with M split into panels of PANEL_ROWS
  * (one panel up to PANEL_ROWS rows), items group-major between the threads (work_next);
- * `n` and KC are passed through to fn after g. */
+ * `n` and KC are passed through to fn after g. With `next` (the product the caller runs
+ * after this one, or NULL), each thread's last item of its own range prefetches the
+ * weights that thread reads first there, where it would read the next thread's first
+ * item otherwise: between products of a decode step (cpu_llama_decode_avx512.c), those
+ * weights no longer come from memory while the first row block waits on them. */
 static void run_items(item_fn fn, const uint16_t *x, int64_t ldx, const uint16_t *wp, uint16_t *y, int64_t ldy,
-                      int64_t M, int64_t groups, int64_t n, int64_t KC, int num_threads) {
-    const int64_t panels = (M + PANEL_ROWS - 1) / PANEL_ROWS, items = groups * panels;
-    if (num_threads > items) num_threads = (int)items;
-    if (num_threads < 1) num_threads = 1;
+                      int64_t M, int64_t groups, int64_t n, int64_t KC, int num_threads, const bf16_next *next) {
+    int64_t items, panels;
+    const int nt_asked = num_threads;
+    num_threads = items_threads(M, groups, num_threads, &items, &panels);
     work_range ranges[num_threads];
     work_split(ranges, num_threads, items);
+    item_runs after[num_threads];
+    if (next != NULL) next_first_runs(next, M, nt_asked, num_threads, after);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
+        const int64_t own_last = items * (t + 1) / num_threads - 1; /* work_split's range end, less one */
         for (int64_t i; (i = work_next(ranges, t, num_threads)) >= 0;) {
             const int64_t g = i / panels, m0 = (i % panels) * PANEL_ROWS;
-            fn(x, ldx, wp, y, ldy, M, m0, m0 + PANEL_ROWS < M ? m0 + PANEL_ROWS : M, g, n, KC);
+            fn(x, ldx, wp, y, ldy, M, m0, m0 + PANEL_ROWS < M ? m0 + PANEL_ROWS : M, g, n, KC,
+               next != NULL && i == own_last ? &after[t] : NULL);
         }
     }
+}
+
+/* aserve_bf16_linear and aserve_bf16_linear_silu (below) with `next`, the product the
+ * caller runs after this one (or NULL), as run_items says. */
+static int bf16_linear_then(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
+                            int64_t M, int64_t N, int64_t K, int num_threads, const bf16_next *next) {
+    if (M < 1 || K % 32 || N % 32) return -1;
+    const int64_t pairs = N / 32;
+    run_items(linear_item, x, x_stride, wp, y, y_stride, M, (pairs + 1) / 2, pairs, K / 32, num_threads, next);
+    return 0;
+}
+
+static int bf16_linear_silu_then(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y,
+                                 int64_t y_stride, int64_t M, int64_t I, int64_t K, int num_threads,
+                                 const bf16_next *next) {
+    if (M < 1 || K % 32 || I % 32 || I < 32) return -1;
+    run_items(silu_item, x, x_stride, wp, y, y_stride, M, I / 32, I / 32, K / 32, num_threads, next);
+    return 0;
 }
 #endif
 
@@ -230,10 +308,7 @@ static void run_items(item_fn fn, const uint16_t *x, int64_t ldx, const uint16_t
 int aserve_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
                        int64_t M, int64_t N, int64_t K, int num_threads) {
 #if BF16_LINEAR_AVAILABLE
-    if (M < 1 || K % 32 || N % 32) return -1;
-    const int64_t pairs = N / 32;
-    run_items(linear_item, x, x_stride, wp, y, y_stride, M, (pairs + 1) / 2, pairs, K / 32, num_threads);
-    return 0;
+    return bf16_linear_then(x, x_stride, wp, y, y_stride, M, N, K, num_threads, NULL);
 #else
     (void)x; (void)x_stride; (void)wp; (void)y; (void)y_stride; (void)M; (void)N; (void)K; (void)num_threads;
     return -1;
@@ -252,9 +327,7 @@ int aserve_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *wp, 
 int aserve_bf16_linear_silu(const uint16_t *x, int64_t x_stride, const uint16_t *wp, uint16_t *y, int64_t y_stride,
                             int64_t M, int64_t I, int64_t K, int num_threads) {
 #if BF16_LINEAR_AVAILABLE
-    if (M < 1 || K % 32 || I % 32 || I < 32) return -1;
-    run_items(silu_item, x, x_stride, wp, y, y_stride, M, I / 32, I / 32, K / 32, num_threads);
-    return 0;
+    return bf16_linear_silu_then(x, x_stride, wp, y, y_stride, M, I, K, num_threads, NULL);
 #else
     (void)x; (void)x_stride; (void)wp; (void)y; (void)y_stride; (void)M; (void)I; (void)K; (void)num_threads;
     return -1;

@@ -9,4 +9,8 @@
 
 #define BF16_LINEAR aserve_bf16_linear
 #define BF16_LINEAR_SILU aserve_bf16_linear_silu /* the MLP's first half: one call, one barrier fewer */
+#if BF16_LINEAR_AVAILABLE /* the kernel is built: prefetch each product's first weights during the one before */
+#define BF16_LINEAR_THEN bf16_linear_then
+#define BF16_LINEAR_SILU_THEN bf16_linear_silu_then
+#endif
 #include "cpu_llama_decode_bf16.h"

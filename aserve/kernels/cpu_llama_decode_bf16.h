@@ -3,8 +3,11 @@
  * BF16_LINEAR as that kernel's entry point (both take the same arguments and weights
  * packed in the same layout, with widths that are multiples of 32), optionally
  * BF16_LINEAR_SILU as its gated product in one call (the AVX512-BF16 kernel's; the AMX
- * stack keeps the two calls, its fused form measured only at prefill sizes), and
- * includes this file, which brings in the shared layer stack (cpu_llama_decode_body.h). */
+ * stack keeps the two calls, its fused form measured only at prefill sizes), optionally
+ * BF16_LINEAR_THEN and BF16_LINEAR_SILU_THEN as the same two taking the product that
+ * follows (a bf16_next: the AVX512-BF16 kernel's, which prefetches that product's first
+ * weights; cpu_bf16_linear.c, run_items), and includes this file, which brings in the
+ * shared layer stack (cpu_llama_decode_body.h). */
 #define ELEM uint16_t
 #define IS_BF16 1
 #ifdef BF16_LINEAR_SILU
@@ -28,23 +31,37 @@ static void add_bias_bf16(uint16_t *y, int64_t y_stride, const uint16_t *b, int6
 }
 
 static int linear(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, ELEM *y, int64_t ldy, int64_t rows,
-                  int64_t n, int64_t k, int nt) {
+                  int64_t n, int64_t k, int nt, const NextProduct *then) {
     (void)d;
+#ifdef BF16_LINEAR_THEN
+    if (then != NULL) {
+        const bf16_next next = {then->w, then->n, then->k, then->silu};
+        return BF16_LINEAR_THEN(x, ldx, w, y, ldy, rows, n, k, nt, &next);
+    }
+#endif
+    (void)then;
     return BF16_LINEAR(x, ldx, w, y, ldy, rows, n, k, nt);
 }
 
 /* As the layer path: the product, then the bias added in a second pass. */
 static int linear_bias(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, const ELEM *b, int64_t n_bias,
-                       ELEM *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int nt) {
-    int rc = linear(d, x, ldx, w, y, ldy, rows, n, k, nt);
+                       ELEM *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int nt, const NextProduct *then) {
+    int rc = linear(d, x, ldx, w, y, ldy, rows, n, k, nt, then);
     if (rc == 0) add_bias_bf16(y, ldy, b, rows, n_bias);
     return rc;
 }
 
 #ifdef HAS_LINEAR_SILU
 static int linear_silu(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, ELEM *act, int64_t rows,
-                       int64_t inter, int64_t k, int nt) {
+                       int64_t inter, int64_t k, int nt, const NextProduct *then) {
     (void)d;
+#ifdef BF16_LINEAR_SILU_THEN
+    if (then != NULL) {
+        const bf16_next next = {then->w, then->n, then->k, then->silu};
+        return BF16_LINEAR_SILU_THEN(x, ldx, w, act, inter, rows, inter, k, nt, &next);
+    }
+#endif
+    (void)then;
     return BF16_LINEAR_SILU(x, ldx, w, act, inter, rows, inter, k, nt);
 }
 #endif

@@ -44,23 +44,51 @@ typedef struct {
     int num_threads;
 } Step;
 
+/* The product a linear layer's caller runs right after it (nothing but a norm or the
+ * gated activation between them), so the variant's kernel can fetch that product's first
+ * weights while it finishes this one (or ignore it): its weights, output width n (for the
+ * gated form, inter) and summed width k, and whether it is the gated form (linear_silu). */
+typedef struct {
+    const ELEM *w;
+    int64_t n, k;
+    int silu;
+} NextProduct;
+
 /* The variant's file defines ELEM and IS_BF16 (the element type, and the kernels' dtype
- * flag) before including this one, and these two after it, each returning 0 or -1:
+ * flag) before including this one, and these two after it, each returning 0 or -1 (`then`,
+ * the product after this one, may be NULL):
  *   linear:      y = x W^T, [rows, n] with rows ldy apart;
  *   linear_bias: the same plus a bias on the first n_bias outputs, rounded as the
  *                layer-by-layer path rounds it. */
 static int linear(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, ELEM *y, int64_t ldy, int64_t rows,
-                  int64_t n, int64_t k, int nt);
+                  int64_t n, int64_t k, int nt, const NextProduct *then);
 static int linear_bias(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, const ELEM *b, int64_t n_bias,
-                       ELEM *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int nt);
+                       ELEM *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int nt, const NextProduct *then);
 /* A variant whose kernel has the gated product in one call (the bits of `linear` followed
  * by aserve_silu_mul) defines HAS_LINEAR_SILU before including this file, and after it
  *   linear_silu: act[rows, inter] (rows `inter` apart) = silu(x Wg^T) * (x Wu^T), W the
  *                [gate; up] weight with inter a multiple of 32. */
 #ifdef HAS_LINEAR_SILU
 static int linear_silu(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, ELEM *act, int64_t rows,
-                       int64_t inter, int64_t k, int nt);
+                       int64_t inter, int64_t k, int nt, const NextProduct *then);
 #endif
+
+/* Whether mlp_half runs the gated product in one call (linear_silu). */
+static int mlp_fused(const Dims *d) {
+#ifdef HAS_LINEAR_SILU
+    return d->inter % 32 == 0 && d->gate_up_width == 2 * d->inter; /* each half whole pairs, unpadded */
+#else
+    (void)d;
+    return 0;
+#endif
+}
+
+/* Layer i's first product of its MLP half (what its o_proj is followed by). */
+static NextProduct mlp_first(const LayerWeights *w, const Dims *d) {
+    const int fused = mlp_fused(d);
+    const NextProduct p = {w->w_gate_up, fused ? d->inter : d->gate_up_width, d->hidden, fused};
+    return p;
+}
 
 /* The attention half of layer i: x (or, for layer 0, x_in) and the residual -> o, the
  * o_proj output (this rank's partial sum when the layer is split between ranks). */
@@ -76,9 +104,11 @@ static int attention_half(const LayerWeights *layers, int64_t i, const Dims *d, 
                              IS_BF16, nt);
     }
     if (rc) return rc;
+    /* Decode attention comes next, and its reads of the cache would push a prefetched
+       o_proj out of the caches before it ran: no `then`. */
     rc = w->qkv_bias ? linear_bias(d, s->h, H, w->w_qkv, w->qkv_bias, q_size + 2 * d->Hk * d->D, s->qkv,
-                                   d->qkv_width, B, d->qkv_width, H, nt)
-                     : linear(d, s->h, H, w->w_qkv, s->qkv, d->qkv_width, B, d->qkv_width, H, nt);
+                                   d->qkv_width, B, d->qkv_width, H, nt, NULL)
+                     : linear(d, s->h, H, w->w_qkv, s->qkv, d->qkv_width, B, d->qkv_width, H, nt, NULL);
     if (rc) return rc;
     if (w->q_norm) { /* in place, a token's heads as rows D apart: the kernel's per-row arithmetic */
         for (int64_t t = 0; t < B; t++) {
@@ -99,28 +129,32 @@ static int attention_half(const LayerWeights *layers, int64_t i, const Dims *d, 
                                  d->kv_stride_block,
                                  d->kv_stride_token, d->kv_stride_head, d->scale, IS_BF16, (int)d->kv_bf16, nt);
     if (rc) return rc;
-    return linear(d, s->attn, q_size, w->w_o, s->o, d->o_width, B, d->o_width, q_size, nt);
+    const NextProduct mlp = mlp_first(w, d);
+    return linear(d, s->attn, q_size, w->w_o, s->o, d->o_width, B, d->o_width, q_size, nt, &mlp);
 }
 
 /* The MLP half of layer i: o and the residual -> x, the down_proj output (a partial sum
- * when split between ranks). */
-static int mlp_half(const LayerWeights *layers, int64_t i, const Dims *d, const Step *s) {
+ * when split between ranks). `after`: the layer whose qkv_proj runs next (or NULL), whose
+ * first weights down_proj prefetches as it finishes. */
+static int mlp_half(const LayerWeights *layers, int64_t i, const Dims *d, const Step *s, const LayerWeights *after) {
     const LayerWeights *w = &layers[i];
     const int64_t B = s->B, H = d->hidden, nt = s->num_threads;
     int rc = aserve_rms_norm(s->o, d->o_width, s->residual, H, s->residual, w->post_norm, s->h, B, H, d->eps, IS_BF16,
                              nt);
     if (rc) return rc;
-    int fused = 0;
+    const NextProduct down = {w->w_down, d->down_width, d->inter, 0};
+    const int fused = mlp_fused(d);
 #ifdef HAS_LINEAR_SILU
-    fused = d->inter % 32 == 0 && d->gate_up_width == 2 * d->inter; /* each half whole pairs, unpadded */
-    if (fused) rc = linear_silu(d, s->h, H, w->w_gate_up, s->act, B, d->inter, H, nt);
+    if (fused) rc = linear_silu(d, s->h, H, w->w_gate_up, s->act, B, d->inter, H, nt, &down);
 #endif
     if (!fused) {
-        rc = linear(d, s->h, H, w->w_gate_up, s->gate_up, d->gate_up_width, B, d->gate_up_width, H, nt);
+        rc = linear(d, s->h, H, w->w_gate_up, s->gate_up, d->gate_up_width, B, d->gate_up_width, H, nt, &down);
         if (rc == 0) aserve_silu_mul(s->gate_up, d->gate_up_width, s->act, B, d->inter, IS_BF16, nt);
     }
     if (rc) return rc;
-    return linear(d, s->act, d->inter, w->w_down, s->x, d->down_width, B, d->down_width, d->inter, nt);
+    const NextProduct qkv = {after ? after->w_qkv : NULL, d->qkv_width, H, 0};
+    return linear(d, s->act, d->inter, w->w_down, s->x, d->down_width, B, d->down_width, d->inter, nt,
+                  after ? &qkv : NULL);
 }
 
 /* Runs layers [0, n_layers) on one rank. Returns 0, or the failing kernel's -1 (a shape
@@ -128,7 +162,7 @@ static int mlp_half(const LayerWeights *layers, int64_t i, const Dims *d, const 
 int aserve_llama_decode(const LayerWeights *layers, int64_t n_layers, const Dims *d, const Step *s) {
     for (int64_t i = 0; i < n_layers; i++) {
         int rc = attention_half(layers, i, d, s);
-        if (rc || (rc = mlp_half(layers, i, d, s))) return rc;
+        if (rc || (rc = mlp_half(layers, i, d, s, i + 1 < n_layers ? &layers[i + 1] : NULL))) return rc;
     }
     return 0;
 }
@@ -138,5 +172,6 @@ int aserve_llama_decode(const LayerWeights *layers, int64_t n_layers, const Dims
  * ranks in between, where the layer-by-layer path all-reduces o_proj's and down_proj's
  * outputs. */
 int aserve_llama_decode_half(const LayerWeights *layers, int64_t i, int half, const Dims *d, const Step *s) {
-    return half == 0 ? attention_half(layers, i, d, s) : mlp_half(layers, i, d, s);
+    /* The ranks' sum of x comes between this and the next layer: no `after`. */
+    return half == 0 ? attention_half(layers, i, d, s) : mlp_half(layers, i, d, s, NULL);
 }

@@ -15,16 +15,19 @@
 #define IS_BF16 0
 #include "cpu_llama_decode_body.h"
 
-/* w: the packed weight (aserve_f32_pack). */
+/* w: the packed weight (aserve_f32_pack). `then` is not used: this kernel takes no hint
+ * of the product after it. */
 static int linear(const Dims *d, const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows,
-                  int64_t n, int64_t k, int nt) {
+                  int64_t n, int64_t k, int nt, const NextProduct *then) {
     (void)d;
+    (void)then;
     return aserve_f32_linear(x, ldx, w, NULL, y, ldy, rows, n, k, nt);
 }
 
 static int linear_bias(const Dims *d, const float *x, int64_t ldx, const float *w, const float *b, int64_t n_bias,
-                       float *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int nt) {
+                       float *y, int64_t ldy, int64_t rows, int64_t n, int64_t k, int nt, const NextProduct *then) {
     (void)d;
+    (void)then;
     if (n_bias != n) return -1; /* unpadded: the bias covers every output */
     return aserve_f32_linear(x, ldx, w, b, y, ldy, rows, n, k, nt);
 }

@@ -180,8 +180,8 @@ typedef struct {
     const uint16_t *a, *b;
 } item_runs;
 
-/* The product the caller runs next (bf16_next): its packed weights, output width n and
- * summed width k, and whether it is the gated form (n then being I, the gate's width). */
+/* The product a caller runs after this one: its packed weights, output width n and summed
+ * width k, and whether it is the gated form (n then being I, the gate's width). */
 typedef struct {
     const uint16_t *w;
     int64_t n, k;

@@ -247,7 +247,7 @@ static void next_first_runs(const bf16_next *next, int64_t M, int num_threads, i
     const int nn = items_threads(M, groups, num_threads, &items, &panels);
     for (int t = 0; t < nt; t++) {
         const item_runs none = {NULL, NULL};
-        const int64_t g = t < nn ? items * t / nn / panels : 0;
+        const int64_t g = items * t / nn / panels; /* work_split's first item of thread t, its group */
         out[t] = t >= nn ? none : next->silu ? silu_runs(next->w, g, pairs, KC) : plain_runs(next->w, g, pairs, KC);
     }
 }

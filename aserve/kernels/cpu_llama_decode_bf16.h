@@ -30,17 +30,26 @@ static void add_bias_bf16(uint16_t *y, int64_t y_stride, const uint16_t *b, int6
     }
 }
 
+#if defined(BF16_LINEAR_THEN) || defined(BF16_LINEAR_SILU_THEN)
+/* `then` in the kernel's own terms: NULL, or *buf filled from it. */
+static const bf16_next *as_next(const NextProduct *then, bf16_next *buf) {
+    if (then == NULL) return NULL;
+    const bf16_next next = {then->w, then->n, then->k, then->silu};
+    *buf = next;
+    return buf;
+}
+#endif
+
 static int linear(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w, ELEM *y, int64_t ldy, int64_t rows,
                   int64_t n, int64_t k, int nt, const NextProduct *then) {
     (void)d;
 #ifdef BF16_LINEAR_THEN
-    if (then != NULL) {
-        const bf16_next next = {then->w, then->n, then->k, then->silu};
-        return BF16_LINEAR_THEN(x, ldx, w, y, ldy, rows, n, k, nt, &next);
-    }
-#endif
+    bf16_next buf;
+    return BF16_LINEAR_THEN(x, ldx, w, y, ldy, rows, n, k, nt, as_next(then, &buf));
+#else
     (void)then;
     return BF16_LINEAR(x, ldx, w, y, ldy, rows, n, k, nt);
+#endif
 }
 
 /* As the layer path: the product, then the bias added in a second pass. */
@@ -56,12 +65,11 @@ static int linear_silu(const Dims *d, const ELEM *x, int64_t ldx, const ELEM *w,
                        int64_t inter, int64_t k, int nt, const NextProduct *then) {
     (void)d;
 #ifdef BF16_LINEAR_SILU_THEN
-    if (then != NULL) {
-        const bf16_next next = {then->w, then->n, then->k, then->silu};
-        return BF16_LINEAR_SILU_THEN(x, ldx, w, act, inter, rows, inter, k, nt, &next);
-    }
-#endif
+    bf16_next buf;
+    return BF16_LINEAR_SILU_THEN(x, ldx, w, act, inter, rows, inter, k, nt, as_next(then, &buf));
+#else
     (void)then;
     return BF16_LINEAR_SILU(x, ldx, w, act, inter, rows, inter, k, nt);
+#endif
 }
 #endif

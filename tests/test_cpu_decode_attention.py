@@ -11,6 +11,7 @@ from aserve import LLM, SamplingParams
 from aserve.envs import read_env
 from aserve.kernels import cpu_decode_attention
 from tests.cpu_marks import needs_amx, needs_avx2_fma, needs_avx512_bf16
+from tests.kv_layout import LAYOUTS, in_layout
 
 #: Compiler flags that build the kernel's AVX512-BF16 form of the shared prefix's products
 #: on a CPU that also has AMX (elsewhere they change nothing).
@@ -52,13 +53,14 @@ def reference(q, keys, values, block_table, seq_lens, scale):
     (3, 3, 1, 64, 16),     # 3 query heads per KV head: groups of one
 ])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, threads):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, threads, layout):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(batch * 1000 + dim)
         num_blocks = 64
-        cache = torch.randn(2, num_blocks, block_size, hk, dim, generator=gen).to(dtype)
+        cache = in_layout(torch.randn(2, num_blocks, block_size, hk, dim, generator=gen).to(dtype), layout)
         # q as the model passes it: a strided slice of the projected q/k rows.
         q = torch.randn(batch, hq + hk, dim, generator=gen).to(dtype)[:, :hq]
         # Lengths of 1, exact multiples of the block size, and ragged ones.
@@ -98,8 +100,10 @@ def test_rejects_other_dtypes_and_layouts(attend):
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         attend(q, cache[0], cache[1], table, lens, 0.125)
     cache = torch.zeros(2, 4, 16, 2, 64)
-    with pytest.raises(ValueError, match="contiguous heads"):
-        attend(q.float(), cache[0].transpose(1, 2), cache[1].transpose(1, 2), table, lens, 0.125)
+    with pytest.raises(ValueError, match="one layout"):  # keys token by token, values head by head
+        attend(q.float(), cache[0], in_layout(cache, "head")[1], table, lens, 0.125)
+    with pytest.raises(ValueError, match="rows contiguous"):
+        attend(q.float(), cache[0].transpose(2, 3), cache[1].transpose(2, 3), table, lens, 0.125)
     with pytest.raises(TypeError, match="int64"):
         attend(q.float(), cache[0], cache[1], table.int(), lens, 0.125)
 
@@ -124,11 +128,31 @@ def test_plain_torch_path_gives_the_kernels_tokens(monkeypatch, llama_dir):
         [o.outputs[0].token_ids for o in with_kernel]
 
 
+def test_the_cpu_pool_is_head_major_and_either_write_gives_the_same_tokens(monkeypatch, llama_dir):
+    """The runner's CPU pool keeps each block KV head by KV head, written by the C write
+    (FusedOps.write_kv) or, with the fused kernels off, by torch's index_put_: the same
+    greedy tokens, prefills in chunks (later chunks read what earlier ones wrote)."""
+    prompts = [list(range(3, 60)), [7] * 19]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("ASERVE_CPU_FUSED_OPS", fused)
+        llm = LLM(str(llama_dir), kv_cache_memory=1 << 24, max_num_batched_tokens=16)
+        runner = llm.engine.executor.worker.runner
+        paged = runner.kv_caches[0].paged
+        _, _, block_size, hk, d = paged.shape
+        assert paged.stride()[2:] == (d, block_size * d, 1)  # token, head, element
+        assert (runner.kv_writer is not None) == (fused == "1")
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_writes_the_new_tokens_before_attending(attend, dtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_writes_the_new_tokens_before_attending(attend, dtype, layout):
     gen = torch.Generator().manual_seed(7)
     batch, hq, hk, dim, block_size = 5, 4, 2, 64, 16
-    cache = torch.randn(2, 32, block_size, hk, dim, generator=gen).to(dtype)
+    cache = in_layout(torch.randn(2, 32, block_size, hk, dim, generator=gen).to(dtype), layout)
     seq_lens = torch.tensor([1, 16, 17, 40, 33])
     block_table = torch.stack([torch.randperm(31, generator=gen)[:4] + 1 for _ in range(batch)])
     q = torch.randn(batch, hq, dim, generator=gen).to(dtype)
@@ -207,8 +231,9 @@ def _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, dtype, s
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("form", ["native", pytest.param("avx512_bf16", marks=needs_avx512_bf16),
                                   pytest.param("avx2", marks=needs_avx2_fma), "portable"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_shared_prefix_matches_sdpa(attend, form, batch, hq, hk, dim, block_size, prefix_blocks, threads,
-                                    set_threads):
+                                    set_threads, layout):
     """Rows whose first blocks are the same (``prefix_blocks``): the result is still each
     row's attention over its whole context, new keys and values written first, on every
     CPU (with AMX or AVX512-BF16 the prefix is attended for all rows at once as matrix
@@ -222,6 +247,7 @@ def test_shared_prefix_matches_sdpa(attend, form, batch, hq, hk, dim, block_size
     set_threads(threads)
     gen = torch.Generator().manual_seed(batch + prefix_blocks)
     cache, table, seq_lens = _shared_prefix_case(gen, batch, hk, dim, block_size, prefix_blocks, torch.bfloat16)
+    cache = in_layout(cache, layout)
     q = (torch.randn(batch, hq + 2 * hk, dim, generator=gen) * 2).to(torch.bfloat16)
     new_k, new_v = q[:, hq : hq + hk], q[:, hq + hk :]
     expected_cache = cache.clone()

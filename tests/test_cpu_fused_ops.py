@@ -1,4 +1,5 @@
-"""The fused RMSNorm and SiLU * up C kernels against Hugging Face's torch formulas."""
+"""The fused RMSNorm, SiLU * up and rotary C kernels against Hugging Face's torch
+formulas, and the KV pool's C write against torch's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels import cpu_fused_ops
+from aserve.kernels.attention import write_kv
+from tests.kv_layout import LAYOUTS, in_layout
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +133,47 @@ def test_rotary_matches_hugging_face_in_place(ops, set_threads, dtype, tokens, t
         assert torch.equal(qk, expected)  # the same roundings, so the same bits
     else:
         torch.testing.assert_close(qk, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                     (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("tokens,threads", [(1, 1), (37, 2), (700, 2)])
+def test_write_kv_fills_the_slots_torch_would(ops, set_threads, layout, model_dtype, cache_dtype, tokens, threads):
+    """Keys and values as the model passes them (strided slices of the projected rows)
+    into scattered slots of either layout: the same cache, bit for bit, as torch's
+    index_copy_ into a token-major one, and nothing else changed."""
+    set_threads(threads)
+    g = torch.Generator().manual_seed(tokens)
+    blocks, block_size, hk, d = 64, 16, 3, 64
+    before = torch.randn(2, blocks, block_size, hk, d, generator=g).to(cache_dtype)
+    qkv = torch.randn(tokens, 4 * hk, d, generator=g).to(model_dtype)
+    k, v = qkv[:, 2 * hk : 3 * hk], qkv[:, 3 * hk :]
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    want = before.clone()
+    write_kv(want, k, v, slots)
+    cache = in_layout(before.clone(), layout)
+    ops.write_kv(cache, k, v, slots)
+    assert torch.equal(cache, want)
+    assert int((cache != before).any(-1).any(-1).sum()) == 2 * tokens  # exactly those slots, both halves
+
+
+def test_write_kv_refuses_a_slot_outside_the_pool(ops):
+    cache = in_layout(torch.zeros(2, 4, 16, 2, 64), "head")
+    k = torch.ones(3, 2, 64)
+    with pytest.raises(IndexError, match="outside the pool"):
+        ops.write_kv(cache, k, k, torch.tensor([0, 5, 64]))
+    assert not cache.any()  # the good slots before it are not written either
+    with pytest.raises(ValueError, match="keys and values"):
+        ops.write_kv(cache, k[:, :1], k[:, :1], torch.tensor([0, 1, 2]))
+
+
+def test_torch_write_kv_takes_either_layout():
+    g = torch.Generator().manual_seed(1)
+    want = torch.zeros(2, 8, 4, 2, 32)
+    k, v = torch.randn(10, 2, 32, generator=g), torch.randn(10, 2, 32, generator=g)
+    slots = torch.randperm(32, generator=g)[:10]
+    write_kv(want, k, v, slots)
+    cache = in_layout(torch.zeros(2, 8, 4, 2, 32), "head")
+    write_kv(cache, k, v, slots)
+    assert torch.equal(cache, want) and want.any()

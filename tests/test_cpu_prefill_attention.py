@@ -19,6 +19,7 @@ from aserve.envs import read_env
 from aserve.kernels.cbuild import load_library
 from aserve.kernels.cpu_prefill_attention import _F32_SOURCE, load
 from tests.cpu_marks import needs_amx, needs_avx2_fma, needs_avx512_bf16, needs_avx512f, needs_bf16_kernel
+from tests.kv_layout import LAYOUTS, in_layout
 
 
 class Kernel:
@@ -121,14 +122,15 @@ def test_matches_the_exact_result_as_closely_as_sdpa(attend, set_threads, thread
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, threads):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chunks_after_cached_context_read_the_paged_cache(attend, set_threads, threads, layout):
     set_threads(threads)
     g = torch.Generator().manual_seed(11)
     hq, hk, d, block, num_blocks = 8, 2, 64, 16, 128
     # (cached tokens, chunk tokens): around block and tile edges, across the kernels'
     # 256-key chunks, and one fresh prompt.
     chunks = [(1, 1), (15, 2), (16, 17), (33, 40), (100, 5), (0, 9), (250, 20), (240, 33), (512, 3)]
-    cache = torch.randn(2, num_blocks, block, hk, d, generator=g).to(attend.dtype)
+    cache = in_layout(torch.randn(2, num_blocks, block, hk, d, generator=g).to(attend.dtype), layout)
     perm = torch.randperm(num_blocks - 1, generator=g) + 1  # each request's blocks scattered, block 0 unused
     total = sum(n for _, n in chunks)
     q = torch.randn(total, hq, d, generator=g).to(attend.dtype)

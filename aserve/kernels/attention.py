@@ -83,6 +83,9 @@ class AttentionMetadata:
     # prefill chunk of the step in one call, a chunk after cached context reading its
     # keys and values from the paged cache.
     prefill_kernel: PrefillAttention | None = None
+    # The C write of keys and values into the paged cache (FusedOps.write_kv), when the
+    # runner has it; else write_kv below.
+    kv_writer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     # The Triton kernels (aserve.kernels.triton_attention) do all of it: the store, decode
     # rows from ``decode_block_table``, and every chunk through its ``block_ids`` (which
     # the runner then sets for every chunk, cached context or not).
@@ -113,7 +116,7 @@ class AttentionMetadata:
 class LayerKV:
     """One layer's KV cache: the paged tensor and, optionally, dense decode staging."""
 
-    paged: torch.Tensor  # [2, num_blocks, block_size, Hk, D]
+    paged: torch.Tensor  # [2, num_blocks, block_size, Hk, D] (strides: see head_major)
     staged_keys: torch.Tensor | None = None  # [rows, Hk, max_len, D]
     staged_values: torch.Tensor | None = None
     # This step's slot for the C kernel's kept prefix layouts (PrefixLayouts), set by
@@ -121,9 +124,30 @@ class LayerKV:
     prefix_slot: PrefixSlot | None = None
 
 
+def head_major(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The CPU KV pool: ``flat`` (its memory) viewed as ``shape``, ``[..., blocks,
+    block_size, Hk, D]``, with each block stored head by head (``[..., blocks, Hk,
+    block_size, D]`` in memory). Every reader indexes it by the same logical shape and
+    its strides; the decode kernel reads a KV head's rows of a block in a row, which the
+    memory system streams, where a token-major block puts them 2 KiB apart (152M shape,
+    bf16) (docs/engine.md, "The KV cache's layout")."""
+    *lead, bs, hk, d = shape
+    return flat.view(*lead, hk, bs, d).transpose(-3, -2)
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    kv_cache[0].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    """Keys and values ([T, Hk, D]) into slots ``slot_mapping`` (block * block_size +
+    offset) of ``kv_cache`` ([2, blocks, block_size, Hk, D], any strides)."""
+    if kv_cache.is_contiguous():
+        kv_cache[0].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        return
+    # Another layout (the CPU pool's head-major one): by (block, offset). The runner
+    # writes that pool with FusedOps.write_kv instead, where the C kernels load.
+    bs = kv_cache.shape[2]
+    where = (slot_mapping // bs, slot_mapping % bs)
+    kv_cache[0].index_put_(where, k.to(kv_cache.dtype))
+    kv_cache[1].index_put_(where, v.to(kv_cache.dtype))
 
 
 def as_stored(t: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -174,9 +198,9 @@ def paged_attention(
     if nd and meta.decode_kernel is not None:
         # The kernel writes the decode tokens' keys and values itself.
         if nd < k.shape[0]:
-            write_kv(kv_cache, k[nd:], v[nd:], meta.slot_mapping[nd:])
+            (meta.kv_writer or write_kv)(kv_cache, k[nd:], v[nd:], meta.slot_mapping[nd:])
     else:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        (meta.kv_writer or write_kv)(kv_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     kbuf, vbuf = meta.gather_buffers or (None, None)
     # A step of decodes only (the common case) returns the decode output itself.
@@ -276,7 +300,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv
     after cached context (a prefix hit, or a later chunk) sees exactly the keys a full
     forward pass would."""
     kv_cache = layer_kv.paged
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    (meta.kv_writer or write_kv)(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:

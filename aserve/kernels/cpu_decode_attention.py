@@ -138,7 +138,9 @@ def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
     unavailable or switched off (``ASERVE_CPU_ATTENTION=sdpa``).
 
     ``q``: [B, Hq, D] (rows and heads may be strided, the last dim contiguous);
-    ``keys`` / ``values``: one layer's paged cache halves, [num_blocks, block_size, Hk, D];
+    ``keys`` / ``values``: one layer's paged cache halves, [num_blocks, block_size, Hk, D],
+    read through their strides (the same for both; each row of D contiguous): token-major,
+    or the CPU pool's head-major blocks (:func:`aserve.kernels.attention.head_major`);
     ``block_table``: int64 [B, max_blocks]; ``seq_lens``: int64 [B], the keys each row
     attends to, its own new token included: either already in the cache, or given as
     ``new_keys`` / ``new_values`` ([B, Hk, D]), which the kernel writes into the slot of
@@ -176,8 +178,8 @@ def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttention | None:
         if q.dtype not in _DTYPES or keys.dtype not in _DTYPES or values.dtype != keys.dtype:
             raise TypeError(f"decode attention takes float32 or bfloat16 queries and caches, not {q.dtype} / "
                             f"{keys.dtype} / {values.dtype}")
-        if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2) != keys.shape[-1] or q.stride(-1) != 1:
-            raise ValueError("decode attention needs [blocks, block_size, Hk, D] caches with contiguous heads")
+        if keys.stride() != values.stride() or keys.stride(-1) != 1 or q.stride(-1) != 1:
+            raise ValueError("decode attention needs [blocks, block_size, Hk, D] caches of one layout, rows contiguous")
         if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64:
             raise TypeError("block_table and seq_lens must be int64")
         if (new_keys is None) != (new_values is None):

@@ -1,5 +1,5 @@
-/* Small fused element-wise kernels for CPU: RMSNorm (with the residual add before it)
- * and SiLU(gate) * up.
+/* Small fused element-wise kernels for CPU: RMSNorm (with the residual add before it),
+ * SiLU(gate) * up, rotary, and the KV pool's writes.
  *
  * At decode batch sizes each of these is a handful of tiny torch ops whose dispatch
  * costs more than their arithmetic (bf16 RMSNorm: ~8 ops, ~30 us a call on a 7M model's
@@ -230,6 +230,34 @@ int aserve_rotary(void *x, int64_t t_stride, int64_t h_stride, int64_t T, int64_
                 store_elt(row, i, a - b, is_bf16);
                 store_elt(row, i + half, e + f, is_bf16);
             }
+        }
+    }
+    return 0;
+}
+
+/* This step's keys and values of T tokens into the paged KV pool: row (t, h) of k and v
+ * ([T, H, D], t_stride / h_stride elements apart, the cache's dtype, elt bytes an
+ * element) into slot slots[t] (block slots[t] / block_size, offset slots[t] % block_size),
+ * which lies at block * s_block + offset * s_token + h * s_head elements in k_cache and
+ * v_cache (same strides). Any layout of the pool's blocks: token by token, or head by head
+ * (ModelRunner's CPU pool), where a token's heads are rows of D apart by a block's width
+ * and torch's index_put_ took 4x as long (4,096 tokens, 152M shape). Returns 0, or -1
+ * (nothing written) when a slot lies outside [0, num_slots). */
+int aserve_write_kv(void *k_cache, void *v_cache, const void *k, const void *v, int64_t k_t_stride, int64_t k_h_stride,
+                    int64_t v_t_stride, int64_t v_h_stride, const int64_t *slots, int64_t num_slots, int64_t T,
+                    int64_t H, int64_t D, int64_t elt, int64_t block_size, int64_t s_block, int64_t s_token,
+                    int64_t s_head, int num_threads) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (num_threads > 1 && T * H * D >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t at = slots[t] / block_size * s_block + slots[t] % block_size * s_token;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy((char *)k_cache + (at + h * s_head) * elt, (const char *)k + (t * k_t_stride + h * k_h_stride) * elt,
+                   (size_t)(D * elt));
+            memcpy((char *)v_cache + (at + h * s_head) * elt, (const char *)v + (t * v_t_stride + h * v_h_stride) * elt,
+                   (size_t)(D * elt));
         }
     }
     return 0;

@@ -36,6 +36,9 @@ class FusedOps:
         self._rotary = lib.aserve_rotary
         self._rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
         self._rotary.restype = ctypes.c_int
+        self._write_kv = lib.aserve_write_kv
+        self._write_kv.argtypes = [ptr] * 4 + [i64] * 4 + [ptr] + [i64] * 9 + [ctypes.c_int]
+        self._write_kv.restype = ctypes.c_int
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -74,13 +77,32 @@ class FusedOps:
                      int(x.dtype == torch.bfloat16), torch.get_num_threads())
         return x
 
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """:func:`aserve.kernels.attention.write_kv` in one call: ``k`` and ``v`` ([T, Hk,
+        D], rows and heads may be strided, D contiguous) into slots ``slot_mapping``
+        (int64) of ``kv_cache`` ([2, blocks, block_size, Hk, D], CPU, any strides with D
+        contiguous), converted to the cache's dtype. A slot outside the pool raises
+        IndexError and writes nothing."""
+        _, blocks, block_size, hk, d = kv_cache.shape
+        if kv_cache.stride(-1) != 1 or k.shape != (k.shape[0], hk, d) or v.shape != k.shape:
+            raise ValueError(f"write_kv needs [T, {hk}, {d}] keys and values and a cache with rows contiguous")
+        k, v = (x.to(kv_cache.dtype) if x.stride(-1) == 1 else x.to(kv_cache.dtype).contiguous() for x in (k, v))
+        slots = slot_mapping.to(torch.int64).contiguous()
+        s_block, s_token, s_head, _ = kv_cache[0].stride()
+        rc = self._write_kv(kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                            k.stride(1), v.stride(0), v.stride(1), slots.data_ptr(), blocks * block_size, k.shape[0],
+                            hk, d, kv_cache.element_size(), block_size, s_block, s_token, s_head,
+                            torch.get_num_threads())
+        if rc != 0:
+            raise IndexError(f"a KV slot lies outside the pool's {blocks * block_size}")
+
 
 def load() -> FusedOps | None:
     """The kernels, or None where they are unavailable or switched off."""
     env = read_env()
     if not env.cpu_fused_ops:
         return None
-    lib = load_library(_SOURCE, env.cache_dir / "kernels", "RMSNorm and SiLU")
+    lib = load_library(_SOURCE, env.cache_dir / "kernels", "RMSNorm, SiLU, rotary and the KV writes")
     return None if lib is None else FusedOps(lib)
 
 

@@ -85,8 +85,9 @@ def load(dtype: torch.dtype = torch.bfloat16, extra_flags: tuple[str, ...] = ())
     ``(ctx_lens, block_table, k_cache, v_cache)``: chunk ``i`` then follows
     ``ctx_lens[i]`` cached tokens, and when that is over 0 its keys and values, the
     cached ones and its own (already written there), are read from the paged cache
-    halves ([blocks, block_size, Hk, D], of ``dtype``) through row ``i`` of
-    ``block_table`` (int64 [n, max_blocks]).
+    halves ([blocks, block_size, Hk, D], of ``dtype``, read through their strides: either
+    block layout, rows of D contiguous) through row ``i`` of ``block_table`` (int64 [n,
+    max_blocks]).
     """
     if dtype not in _D_MULTIPLE:
         raise ValueError(f"no prefill attention kernel for {dtype}")
@@ -97,7 +98,7 @@ def load(dtype: torch.dtype = torch.bfloat16, extra_flags: tuple[str, ...] = ())
     name = "float32" if dtype == torch.float32 else "bf16"
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64,
-                   i64, i64, i64, ctypes.c_float, ctypes.c_int]
+                   i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: Sequence[int],
@@ -121,25 +122,26 @@ def load(dtype: torch.dtype = torch.bfloat16, extra_flags: tuple[str, ...] = ())
         c_starts = (ctypes.c_int64 * max(n, 1))(*starts)
         c_lens = (ctypes.c_int64 * max(n, 1))(*lens)
         c_ctx = table_ptr = k_cache_ptr = v_cache_ptr = None
-        max_blocks = block_size = stride_block = stride_token = 0
+        max_blocks = block_size = stride_block = stride_token = stride_head = 0
         if context is not None:
             ctx_lens, table, k_cache, v_cache = context
             if len(ctx_lens) != n or table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != n:
                 raise ValueError("context needs a length and an int64 block-table row per chunk")
             if (k_cache.dtype != dtype or v_cache.dtype != dtype or k_cache.stride() != v_cache.stride()
-                    or k_cache.shape[2:] != k.shape[1:] or k_cache.stride(-1) != 1 or k_cache.stride(-2) != k.shape[-1]):
-                raise ValueError(f"the cache halves must be {name} [blocks, block_size, Hk, D] with contiguous heads")
+                    or k_cache.shape[2:] != k.shape[1:] or k_cache.stride(-1) != 1):
+                raise ValueError(f"the cache halves must be {name} [blocks, block_size, Hk, D] of one layout, "
+                                 "rows contiguous")
             table = table.contiguous()
             block_size = k_cache.shape[1]
             if any(c < 0 or (c > 0 and -(-(c + n_) // block_size) > table.shape[1]) for c, n_ in zip(ctx_lens, lens)):
                 raise ValueError("a chunk runs past its block-table row")
             c_ctx = (ctypes.c_int64 * max(n, 1))(*ctx_lens)
             table_ptr, k_cache_ptr, v_cache_ptr = table.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-            max_blocks, stride_block, stride_token = table.shape[1], k_cache.stride(0), k_cache.stride(1)
+            max_blocks, (stride_block, stride_token, stride_head) = table.shape[1], k_cache.stride()[:3]
         _, hq, d = q.shape
         rc = fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
                 out.stride(0), c_starts, c_lens, c_ctx, n, k_cache_ptr, v_cache_ptr, table_ptr, max_blocks, block_size,
-                stride_block, stride_token, hq, k.shape[1], d, scale, torch.get_num_threads())
+                stride_block, stride_token, stride_head, hq, k.shape[1], d, scale, torch.get_num_threads())
         if rc != 0:
             raise MemoryError("prefill attention could not allocate its scratch memory")
 

@@ -75,11 +75,11 @@ int aserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t
                              const int64_t *starts, const int64_t *lens, const int64_t *ctx, int64_t n_prompts,
                              const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
                              int64_t max_blocks, int64_t block_size, int64_t stride_block, int64_t stride_token,
-                             int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
+                             int64_t stride_head, int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
 #if PREFILL_AVX512_AVAILABLE
     return prefill_run(&FORM, q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, lens, ctx,
                        n_prompts, k_cache, v_cache, block_tables, max_blocks, block_size, stride_block, stride_token,
-                       Hq, Hk, D, scale, num_threads);
+                       stride_head, Hq, Hk, D, scale, num_threads);
 #else
     return -1;
 #endif

@@ -198,8 +198,8 @@ int aserve_prefill_attention_f32(const float *q, int64_t q_stride, const float *
                                  int64_t v_stride, float *out, int64_t out_stride, const int64_t *starts,
                                  const int64_t *lens, const int64_t *ctx, int64_t n_prompts, const float *k_cache,
                                  const float *v_cache, const int64_t *block_tables, int64_t max_blocks,
-                                 int64_t block_size, int64_t stride_block, int64_t stride_token, int64_t Hq,
-                                 int64_t Hk, int64_t D, float scale, int num_threads) {
+                                 int64_t block_size, int64_t stride_block, int64_t stride_token, int64_t stride_head,
+                                 int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
 #if PF_AVAILABLE
     if (D % 16 || D > 256 || Hk < 1 || Hq % Hk || n_prompts < 0) return -1;
     if (n_prompts == 0) return 0;
@@ -238,8 +238,8 @@ int aserve_prefill_attention_f32(const float *q, int64_t q_stride, const float *
             KeyRows vs = {v + starts[i] * v_stride + h * D, 4, v_stride, NULL, 0, 0, 0};
             if (c0 > 0) {
                 const int64_t *table = block_tables + i * max_blocks;
-                ks = (KeyRows){k_cache + h * D, 4, 0, table, block_size, stride_block, stride_token};
-                vs = (KeyRows){v_cache + h * D, 4, 0, table, block_size, stride_block, stride_token};
+                ks = (KeyRows){k_cache + h * stride_head, 4, 0, table, block_size, stride_block, stride_token};
+                vs = (KeyRows){v_cache + h * stride_head, 4, 0, table, block_size, stride_block, stride_token};
             }
             layout(&ks, &vs, total, padded, D, kt, vv);
         }
@@ -269,7 +269,8 @@ int aserve_prefill_attention_f32(const float *q, int64_t q_stride, const float *
 #else
     (void)q, (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)out, (void)out_stride;
     (void)starts, (void)lens, (void)ctx, (void)n_prompts, (void)k_cache, (void)v_cache, (void)block_tables;
-    (void)max_blocks, (void)block_size, (void)stride_block, (void)stride_token, (void)Hq, (void)Hk, (void)D;
+    (void)max_blocks, (void)block_size, (void)stride_block, (void)stride_token, (void)stride_head, (void)Hq, (void)Hk;
+    (void)D;
     (void)scale, (void)num_threads;
     return -1;
 #endif

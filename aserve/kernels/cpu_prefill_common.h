@@ -427,7 +427,7 @@ static int prefill_run(const prefill_form *form, const uint16_t *q, int64_t q_st
                        const int64_t *starts, const int64_t *lens, const int64_t *ctx, int64_t n_prompts,
                        const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *block_tables,
                        int64_t max_blocks, int64_t block_size, int64_t stride_block, int64_t stride_token,
-                       int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
+                       int64_t stride_head, int64_t Hq, int64_t Hk, int64_t D, float scale, int num_threads) {
     if (D % 32 || D > MAX_D || Hk < 1 || Hq % Hk) return -1;
     const int64_t group = Hq / Hk, tasks = n_prompts * Hk;
     int failed = 0;
@@ -449,8 +449,8 @@ static int prefill_run(const prefill_form *form, const uint16_t *q, int64_t q_st
         KeyRows vs = {v + start * v_stride + h * D, 2, v_stride, NULL, 0, 0, 0};
         if (c0 > 0) {
             const int64_t *table = block_tables + i * max_blocks;
-            ks = (KeyRows){k_cache + h * D, 2, 0, table, block_size, stride_block, stride_token};
-            vs = (KeyRows){v_cache + h * D, 2, 0, table, block_size, stride_block, stride_token};
+            ks = (KeyRows){k_cache + h * stride_head, 2, 0, table, block_size, stride_block, stride_token};
+            vs = (KeyRows){v_cache + h * stride_head, 2, 0, table, block_size, stride_block, stride_token};
         }
         layout_keys(&ks, total, D, kt);
         layout_values(&vs, total, D, vv);

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, gather_numel
+from aserve.kernels.attention import AttentionMetadata, LayerKV, PrefillChunk, gather_numel, head_major
 from aserve.kernels.cpu_decode_attention import DecodeAttention
 from aserve.kernels.cpu_decode_attention import load as load_decode_kernel
 from aserve.kernels.cpu_decode_attention import PrefixLayouts, prefix_supported, shared_prefix_blocks
+from aserve.kernels.cpu_fused_ops import load as load_fused_ops
 from aserve.kernels.cpu_prefill_attention import PrefillAttention
 from aserve.kernels.cpu_prefill_attention import load as load_prefill_kernel
 from aserve.kernels.token_mask import TokenMaskKernel
@@ -120,6 +121,8 @@ class ModelRunner:
         # Prefill chunks: the C kernel of the model's dtype (bf16: AMX or AVX512-BF16;
         # float32: AVX-512F or AVX2 + FMA) when the cache has that dtype too, else SDPA.
         self.prefill_kernel: PrefillAttention | None = None
+        # The C write of a step's keys and values into the CPU pool (FusedOps.write_kv).
+        self.kv_writer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         self.use_decode_staging = use_decode_staging and self.on_cpu and not triton_attention
         self.staging: DecodeStaging | None = None
         self._kv_mapping: mmap.mmap | None = None  # the CPU pool's memory
@@ -142,8 +145,7 @@ class ModelRunner:
             cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
             return
-        # One allocation for all layers: [layers, 2, blocks, block_size, kv_heads, head_dim],
-        # from an anonymous mapping: it reads as zeros, and the kernel commits a page
+        # One allocation for all layers, from an anonymous mapping: it reads as zeros, and the kernel commits a page
         # only when it is first written, so an idle pool costs no resident memory.
         # Private, not Python's default shared mapping: nothing else maps the pool, and
         # a first write to a private page costs about a third less than to a shared
@@ -152,7 +154,15 @@ class ModelRunner:
         # and the prefill's KV writes took 2.4x as long (docs/performance.md).
         self._kv_mapping = mmap.mmap(-1, math.prod(shape) * torch.empty((), dtype=dtype).element_size(),
                                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        cache = torch.frombuffer(self._kv_mapping, dtype=dtype).view(shape)
+        cache = torch.frombuffer(self._kv_mapping, dtype=dtype)
+        if self.triton_attention:  # the Triton kernels index the pool as one contiguous tensor
+            cache = cache.view(shape)
+        else:
+            # Each block KV head by KV head (head_major), written by the C kernel where
+            # it loads (``ASERVE_CPU_FUSED_OPS=0``: torch's index_put_).
+            cache = head_major(cache, shape)
+            fused = load_fused_ops()
+            self.kv_writer = None if fused is None else fused.write_kv
         self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
         kernel_dtypes = (torch.float32, torch.bfloat16)
         if self.triton_attention:
@@ -351,7 +361,8 @@ class ModelRunner:
             decode_rows_packed=staged_rows is not None and staged_rows == list(range(num_decode)),
             decode_len=length, decode_kernel=self.decode_kernel, decode_seq_lens=seq_lens,
             decode_prefix_blocks=prefix_blocks,
-            prefill_kernel=self.prefill_kernel, triton=self.triton_attention, layer_done=self.layer_done,
+            prefill_kernel=self.prefill_kernel, kv_writer=self.kv_writer, triton=self.triton_attention,
+            layer_done=self.layer_done,
         )
 
         if self.pp is not None:

@@ -7,7 +7,7 @@ typedef struct {
     const ELEM *w_qkv, *w_o, *w_gate_up, *w_down;  /* in the variant's layout (see its file) */
     const ELEM *qkv_bias;                          /* [(Hq + 2 Hk) D], or NULL */
     const ELEM *q_norm, *k_norm;                   /* [D] per-head norm weights, or NULL */
-    void *k_cache, *v_cache;                       /* [blocks, block_size, Hk, D] halves */
+    void *k_cache, *v_cache;                       /* [blocks, block_size, Hk, D] halves (Dims' strides) */
 } LayerWeights;
 
 /* Sizes shared by every layer; widths are the linear outputs' row lengths (for AMX,

@@ -1,9 +1,10 @@
 """Paged attention and the KV-cache store in Triton, behind the contract of
 :func:`aserve.kernels.attention.paged_attention` (the plain-torch path is their twin).
 
-Layout, as everywhere in aserve: one layer's cache is ``[2, num_blocks, block_size, Hk,
-D]`` (keys, values); token ``t`` of a request lives at slot ``block_table[t // bs] * bs +
-t % bs``. The kernels:
+Layout, as every reader in aserve indexes it: one layer's cache is ``[2, num_blocks,
+block_size, Hk, D]`` (keys, values), here one contiguous tensor (the CPU pool stores each
+block head-major under the same shape: :func:`aserve.kernels.attention.head_major`); token
+``t`` of a request lives at slot ``block_table[t // bs] * bs + t % bs``. The kernels:
 
 - :func:`store_kv`: a step's keys and values to their slots (one program a token).
 - :func:`decode_attention`: one query a row straight from the block table, each row's

@@ -54,7 +54,13 @@ def reference(q, keys, values, block_table, seq_lens, scale):
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, threads, layout):
+@pytest.mark.parametrize("form", ["native", pytest.param("avx2", marks=needs_avx2_fma)])
+def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, threads, layout, form):
+    """Each shape on this CPU's build and, where it can run, the AVX2 one (vectors of 8,
+    which take a 16-token block's rows of a head in two: cpu_decode_attention.c's SPAN)."""
+    if form == "avx2":
+        attend = cpu_decode_attention.load(("-mno-avx512f",))
+        assert attend is not None
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -262,6 +262,10 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
  * at 951-1,029 us a layer against 1,088-1,094 with L1, the 7M shape the same either way,
  * and the 152M decode step 3% faster (docs/performance.md). */
 #define KV_PREFETCH _MM_HINT_T1
+/* Tokens of one KV head that passes 1 and 3 take before the next head: a 16-token
+ * block's rows of that head, one 2 KiB run in the CPU pool's head-major blocks (152M
+ * shape, bf16), where AVX2's vectors of 8 would otherwise read half a run a head. */
+#define SPAN (VL < 16 ? 16 : VL)
 #define MAX_VEC (MAX_DIM / VL)
 #define MAX_GB 8 /* query heads per pass over a KV head's rows (see one_task_simd) */
 
@@ -413,9 +417,10 @@ static inline __attribute__((always_inline)) void one_task_simd(const Args *a, i
            held in registers) take each key row as it is loaded and widened: with
            grouped-query attention the widening is done once, not once per query head. */
         for (int64_t j = 0; j < NH; j++) mx[j] = -FLT_MAX;
-        for (int64_t t0 = 0; t0 < n; t0 += VL) {
-            const int64_t cnt = n - t0 < VL ? n - t0 : VL;
-            for (int64_t hk = 0; hk < hk1 - hk0; hk++) {
+        for (int64_t s0 = 0; s0 < n; s0 += SPAN)
+            for (int64_t hk = 0; hk < hk1 - hk0; hk++)
+            for (int64_t t0 = s0; t0 < n && t0 < s0 + SPAN; t0 += VL) {
+                const int64_t cnt = n - t0 < VL ? n - t0 : VL;
                 const int64_t head_off = hk * a->kv_stride_head * elt;
                 for (int64_t t = t0 + AHEAD; t < t0 + AHEAD + VL; t++) {
                     /* Past the chunk's keys, its first values (the value pass comes next). */
@@ -434,7 +439,6 @@ static inline __attribute__((always_inline)) void one_task_simd(const Args *a, i
                     }
                 }
             }
-        }
         /* Softmax weights of the chunk, and the running sums rescaled to its maximum. */
         for (int64_t j = 0; j < NH; j++) {
             const float new_m = mx[j] > m[j] ? mx[j] : m[j];
@@ -453,9 +457,10 @@ static inline __attribute__((always_inline)) void one_task_simd(const Args *a, i
         }
         /* Weighted values, in the same order as the keys; the query heads of a KV head
            share each widened value row, as above. */
-        for (int64_t t0 = 0; t0 < n; t0 += VL) {
-            const int64_t cnt = n - t0 < VL ? n - t0 : VL;
-            for (int64_t hk = 0; hk < hk1 - hk0; hk++) {
+        for (int64_t s0 = 0; s0 < n; s0 += SPAN)
+            for (int64_t hk = 0; hk < hk1 - hk0; hk++)
+            for (int64_t t0 = s0; t0 < n && t0 < s0 + SPAN; t0 += VL) {
+                const int64_t cnt = n - t0 < VL ? n - t0 : VL;
                 const int64_t head_off = hk * a->kv_stride_head * elt;
                 for (int64_t t = t0 + AHEAD; t < t0 + AHEAD + VL; t++) {
                     /* Past the chunk's values, the keys read next: the next chunk's, or
@@ -482,7 +487,6 @@ static inline __attribute__((always_inline)) void one_task_simd(const Args *a, i
                     }
                 }
             }
-        }
     }
     for (int64_t j = 0; j < NH; j++) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;

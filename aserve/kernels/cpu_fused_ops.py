@@ -94,7 +94,7 @@ class FusedOps:
                             hk, d, kv_cache.element_size(), block_size, s_block, s_token, s_head,
                             torch.get_num_threads())
         if rc != 0:
-            raise IndexError(f"a KV slot lies outside the pool's {blocks * block_size}")
+            raise IndexError(f"a KV slot lies outside the pool of {blocks * block_size} slots")
 
 
 def load() -> FusedOps | None:

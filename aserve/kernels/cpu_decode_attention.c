@@ -244,11 +244,12 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
  * reductions, and has no software prefetch; this one gives the core independent work
  * to overlap. With AVX-512 it reads the cache at about 24 GB/s on two cores of the
  * Intel machine (29 GB/s is a plain read loop's) against 12 (152M model: 2.2 -> 1.06
- * ms a layer); with AVX2 on the AMD machine, see docs/performance.md. The gap to the
- * plain read is the order of the reads (one head's rows, 2 KiB apart on that shape):
- * the same reads without arithmetic run at the kernel's rate, a token's heads in a row
- * at the plain rate; reading in that order cost more arithmetic than it saved
- * (docs/performance.md, "Measured and not adopted").
+ * ms a layer); with AVX2 on the AMD machine, see docs/performance.md. On token-major
+ * blocks one head's rows lie 2 KiB apart (that shape), and those reads ran below the
+ * plain read's rate even without arithmetic; on the CPU pool's head-major blocks
+ * (aserve.kernels.attention.head_major) they are one run a block, read at the plain
+ * read's rate (Zen 4: 1,167 -> 877 us a layer; docs/performance.md, "The KV cache head
+ * by head").
  *
  * The query rows are put in the cache rows' slot order (vf_slot_element) once per
  * task, and the output back in element order at its end. */

@@ -25,6 +25,14 @@ def attend():
     return kernel
 
 
+@pytest.fixture(scope="module")
+def attend_avx2():
+    """The kernel built as for a CPU without AVX-512 (vectors of 8)."""
+    kernel = cpu_decode_attention.load(("-mno-avx512f",))
+    assert kernel is not None
+    return kernel
+
+
 def reference(q, keys, values, block_table, seq_lens, scale):
     """SDPA over each sequence's gathered blocks, in float32."""
     block_size = keys.shape[1]
@@ -55,12 +63,11 @@ def reference(q, keys, values, block_table, seq_lens, scale):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("form", ["native", pytest.param("avx2", marks=needs_avx2_fma)])
-def test_matches_sdpa(attend, dtype, tol, batch, hq, hk, dim, block_size, threads, layout, form):
+def test_matches_sdpa(request, attend, dtype, tol, batch, hq, hk, dim, block_size, threads, layout, form):
     """Each shape on this CPU's build and, where it can run, the AVX2 one (vectors of 8,
     which take a 16-token block's rows of a head in two: cpu_decode_attention.c's SPAN)."""
     if form == "avx2":
-        attend = cpu_decode_attention.load(("-mno-avx512f",))
-        assert attend is not None
+        attend = request.getfixturevalue("attend_avx2")
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -95,6 +95,11 @@ class AttentionMetadata:
     # that a long step is slow, not stuck (aserve.process.heartbeat.Progress).
     layer_done: Callable[[], None] | None = None
 
+    def store_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """``k`` and ``v`` into their slots: by ``kv_writer`` where the runner has one,
+        else :func:`write_kv`."""
+        (self.kv_writer or write_kv)(kv_cache, k, v, slot_mapping)
+
     @cached_property
     def prefill_spans(self) -> tuple[list[int], list[int], list[int] | None, torch.Tensor | None]:
         """The prefill chunks as the prefill kernel takes them, built once a step (every
@@ -198,9 +203,9 @@ def paged_attention(
     if nd and meta.decode_kernel is not None:
         # The kernel writes the decode tokens' keys and values itself.
         if nd < k.shape[0]:
-            (meta.kv_writer or write_kv)(kv_cache, k[nd:], v[nd:], meta.slot_mapping[nd:])
+            meta.store_kv(kv_cache, k[nd:], v[nd:], meta.slot_mapping[nd:])
     else:
-        (meta.kv_writer or write_kv)(kv_cache, k, v, meta.slot_mapping)
+        meta.store_kv(kv_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     kbuf, vbuf = meta.gather_buffers or (None, None)
     # A step of decodes only (the common case) returns the decode output itself.
@@ -300,7 +305,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv
     after cached context (a prefix hit, or a later chunk) sees exactly the keys a full
     forward pass would."""
     kv_cache = layer_kv.paged
-    (meta.kv_writer or write_kv)(kv_cache, k, v, meta.slot_mapping)
+    meta.store_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:

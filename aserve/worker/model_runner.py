@@ -145,8 +145,9 @@ class ModelRunner:
             cache = torch.zeros(shape, dtype=dtype, device=self.device)
             self.kv_caches = [LayerKV(layer) for layer in cache.unbind(0)]
             return
-        # One allocation for all layers, from an anonymous mapping: it reads as zeros, and the kernel commits a page
-        # only when it is first written, so an idle pool costs no resident memory.
+        # One allocation for all layers, from an anonymous mapping: it reads as zeros,
+        # and the kernel commits a page only when it is first written, so an idle pool
+        # costs no resident memory.
         # Private, not Python's default shared mapping: nothing else maps the pool, and
         # a first write to a private page costs about a third less than to a shared
         # (shmem) one (256 MiB: 57 against 88 ms here), which every new block pays.

@@ -167,11 +167,15 @@ int aserve_llama_decode(const LayerWeights *layers, int64_t n_layers, const Dims
     return 0;
 }
 
-/* One half of layer i (half 0: attention, 1: MLP), for a layer split between
+/* One half of layer i of n_layers (half 0: attention, 1: MLP), for a layer split between
  * tensor-parallel ranks: the caller sums o (after half 0) and x (after half 1) over the
  * ranks in between, where the layer-by-layer path all-reduces o_proj's and down_proj's
  * outputs. */
-int aserve_llama_decode_half(const LayerWeights *layers, int64_t i, int half, const Dims *d, const Step *s) {
-    /* The ranks' sum of x comes between this and the next layer: no `after`. */
-    return half == 0 ? attention_half(layers, i, d, s) : mlp_half(layers, i, d, s, NULL);
+int aserve_llama_decode_half(const LayerWeights *layers, int64_t n_layers, int64_t i, int half, const Dims *d,
+                             const Step *s) {
+    if (half == 0) return attention_half(layers, i, d, s);
+    /* The ranks' sum of x comes between down_proj and the next layer's qkv_proj, but it
+       moves only rows x hidden values through shared memory: the next weights that
+       down_proj prefetches into L2 are still there after it. */
+    return mlp_half(layers, i, d, s, i + 1 < n_layers ? &layers[i + 1] : NULL);
 }

@@ -192,13 +192,13 @@ class DecodeStack:
             o_start = sum(spans[:5])
             o_sum = self._scratch[o_start : o_start + rows * d.hidden]
             x_sum = self._scratch[: rows * d.hidden]
-            rc = 0
-            for i in range(len(self._layers)):
-                rc = self._half(self._c_layers, i, 0, dims_ref, step_ref)
+            rc, n = 0, len(self._layers)
+            for i in range(n):
+                rc = self._half(self._c_layers, n, i, 0, dims_ref, step_ref)
                 if rc:
                     break
                 self._all_reduce(o_sum)
-                rc = self._half(self._c_layers, i, 1, dims_ref, step_ref)
+                rc = self._half(self._c_layers, n, i, 1, dims_ref, step_ref)
                 if rc:
                     break
                 self._all_reduce(x_sum)
@@ -221,8 +221,8 @@ class LlamaDecodeKernel:
                              ctypes.POINTER(_Step)]
         self._fn.restype = ctypes.c_int
         self._half = lib.aserve_llama_decode_half
-        self._half.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.c_int64, ctypes.c_int, ctypes.POINTER(_Dims),
-                               ctypes.POINTER(_Step)]
+        self._half.argtypes = [ctypes.POINTER(_LayerWeights), ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                               ctypes.POINTER(_Dims), ctypes.POINTER(_Step)]
         self._half.restype = ctypes.c_int
 
     def stack(self, layers: list[LayerTensors], dims: StackDims,

@@ -225,8 +225,8 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int64_
 /* The same task with vectors of VL floats (cpu_simd.h), a sequence CHUNK tokens at a
  * time, in three passes:
  *   1. the scores of every head of the task, VL tokens at a time: VL independent dot
- *      products per head, reduced together by a transpose-and-add tree (vf_sum_lanes)
- *      instead of VL horizontal sums;
+ *      products per head, reduced together by a transpose-and-add tree (vf_sum_pair,
+ *      vf_sum_quad, vf_sum_finish) instead of VL horizontal sums;
  *   2. per head, the chunk's maximum, the exponentials (a vector exp) and their sum, and
  *      the running sums rescaled to the new maximum;
  *   3. the weighted values, VL tokens at a time (a lone head with two accumulators).
@@ -295,24 +295,35 @@ typedef struct {
 static inline __attribute__((always_inline)) void score_group(const ScoreArgs *sa, const int64_t D, const int kv_bf16,
                                                                 const int64_t GB) {
     const int64_t nv = D / VL, cnt = sa->cnt;
-    vf qv[MAX_VEC], kv[MAX_VEC], dots[MAX_GB][VL];
+    vf qv[MAX_VEC], kv[MAX_VEC], quads[MAX_GB][VL / 4];
     for (int64_t g = 0; g < GB; g++)
         for (int64_t i = 0; i < nv; i++) qv[g * nv + i] = vf_load(sa->q[sa->j0 + g] + VL * i);
-    for (int64_t t = 0; t < VL; t++) {
-        if (t < cnt) {
-            load_row(sa->kbase + sa->row[t], kv, nv, kv_bf16);
-            for (int64_t g = 0; g < GB; g++) {
-                vf d = vf_zero();
-                for (int64_t i = 0; i < nv; i++) d = vf_fmadd(qv[g * nv + i], kv[i], d);
-                dots[g][t] = d;
+    /* Four tokens at a time, each head's four products folded into their quad of the
+       lane sums' tree at once (cpu_simd.h: the same adds in the same order as summing all
+       VL products at the end, so the same bits), so a group holds GB * VL / 4 quads
+       instead of GB * VL products: with two query heads a KV head (the 7M shape, D = 64,
+       AVX-512) 8 + 8 registers of sums instead of 32, which spilled. */
+    for (int64_t t4 = 0; t4 < VL; t4 += 4) {
+        vf dots[MAX_GB][4];
+        for (int64_t u = 0; u < 4; u++) {
+            const int64_t t = t4 + u;
+            if (t < cnt) {
+                load_row(sa->kbase + sa->row[t], kv, nv, kv_bf16);
+                for (int64_t g = 0; g < GB; g++) {
+                    vf d = vf_zero();
+                    for (int64_t i = 0; i < nv; i++) d = vf_fmadd(qv[g * nv + i], kv[i], d);
+                    dots[g][u] = d;
+                }
+            } else {
+                for (int64_t g = 0; g < GB; g++) dots[g][u] = vf_zero();
             }
-        } else {
-            for (int64_t g = 0; g < GB; g++) dots[g][t] = vf_zero();
         }
+        for (int64_t g = 0; g < GB; g++)
+            quads[g][t4 / 4] = vf_sum_quad(vf_sum_pair(dots[g][0], dots[g][1]), vf_sum_pair(dots[g][2], dots[g][3]));
     }
     for (int64_t g = 0; g < GB; g++) {
         const int64_t j = sa->j0 + g;
-        const vf sc = vf_first(vf_mul(vf_sum_lanes(dots[g]), vf_set1(sa->a->scale)), cnt, -FLT_MAX);
+        const vf sc = vf_first(vf_mul(vf_sum_finish(quads[g]), vf_set1(sa->a->scale)), cnt, -FLT_MAX);
         vf_store(sa->s[j] + sa->t0, sc);
         const float gm = vf_reduce_max(sc);
         sa->mx[j] = gm > sa->mx[j] ? gm : sa->mx[j];

@@ -58,17 +58,23 @@ static inline void vf_load_bf16(const void *p, vf *even, vf *odd) {
     *odd = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-/* Lane t of the result is the sum of the lanes of v[t]: a transpose-and-add tree, 15
- * shuffles and adds for all 16 sums instead of 16 horizontal sums. */
-static inline vf vf_sum_lanes(const vf v[VL]) {
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit chunk: pairs of lanes of v[2i] and v[2i+1] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit chunk c: the chunk's sum of v[4i .. 4i+3] */
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    /* Chunk c of the result: b[c] summed over its four chunks. */
+/* The sums of the lanes of VL vectors v[0 .. VL), lane t of the result the sum of
+ * v[t]'s: a transpose-and-add tree, 15 shuffles and adds for all 16 sums instead of 16
+ * horizontal sums, in three steps, so a caller that makes the vectors a few at a time
+ * folds each four in as they come instead of holding all VL (cpu_decode_attention.c):
+ *   vf_sum_pair(v[2i], v[2i+1]): per 128-bit chunk, pairs of lanes of the two;
+ *   vf_sum_quad(pair 2i, pair 2i+1): per 128-bit chunk c, the chunk's sum of v[4i .. 4i+3];
+ *   vf_sum_finish(quads[VL / 4]): chunk c of the result, quad c summed over its chunks;
+ * that is, vf_sum_finish of quads i = vf_sum_quad(vf_sum_pair(v[4i], v[4i+1]),
+ * vf_sum_pair(v[4i+2], v[4i+3])). */
+static inline vf vf_sum_pair(vf x, vf y) { return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)); }
+
+static inline vf vf_sum_quad(vf a0, vf a1) {
+    const __m512d x = _mm512_castps_pd(a0), y = _mm512_castps_pd(a1);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+static inline vf vf_sum_finish(const vf b[VL / 4]) {
     const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
     const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
@@ -127,14 +133,15 @@ static inline void vf_load_bf16(const void *p, vf *even, vf *odd) {
     *odd = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* Lane t of the result is the sum of the lanes of v[t]. */
-static inline vf vf_sum_lanes(const vf v[VL]) {
-    /* hadd of pairs, twice: per 128-bit half, lane i of b0 holds v[i]'s sum over that
-       half (i < 4), and b1 the same for v[4 + i]; the halves are then added. */
-    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+/* The lane sums' steps with vectors of 8 (see the AVX-512 form): hadd of pairs, twice: per
+ * 128-bit half, lane i of quad 0 holds v[i]'s sum over that half (i < 4), and quad 1 the
+ * same for v[4 + i]; vf_sum_finish adds the halves. */
+static inline vf vf_sum_pair(vf x, vf y) { return _mm256_hadd_ps(x, y); }
+
+static inline vf vf_sum_quad(vf a0, vf a1) { return _mm256_hadd_ps(a0, a1); }
+
+static inline vf vf_sum_finish(const vf b[VL / 4]) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
 }
 
 #endif

@@ -301,8 +301,10 @@ static inline __attribute__((always_inline)) void score_group(const ScoreArgs *s
     /* Four tokens at a time, each head's four products folded into their quad of the
        lane sums' tree at once (cpu_simd.h: the same adds in the same order as summing all
        VL products at the end, so the same bits), so a group holds GB * VL / 4 quads
-       instead of GB * VL products: with two query heads a KV head (the 7M shape, D = 64,
-       AVX-512) 8 + 8 registers of sums instead of 32, which spilled. */
+       and GB * 4 products instead of GB * VL products: with two query heads a KV head
+       (the 7M shape, D = 64, AVX-512) 16 registers of sums instead of 32, which with the
+       query and key rows asked for more than the 32 there are (the kernel alone, the 7M
+       shape: 3-5% faster where its instructions bound it; docs/performance.md). */
     for (int64_t t4 = 0; t4 < VL; t4 += 4) {
         vf dots[MAX_GB][4];
         for (int64_t u = 0; u < 4; u++) {
